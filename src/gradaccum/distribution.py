@@ -17,12 +17,6 @@ from typing import Any, Callable, Iterator
 import tensorflow as tf
 
 
-def _strategy_of(optimizer: Any) -> tf.distribute.Strategy:
-    """The strategy the optimizer was created under (Keras records it)."""
-    strategy = getattr(optimizer, "_distribution_strategy", None)
-    return strategy if strategy is not None else tf.distribute.get_strategy()
-
-
 def _tf_variable(variable: Any) -> tf.Variable:
     """The TensorFlow variable behind a Keras 3 variable (or itself)."""
     value = getattr(variable, "value", None)

@@ -10,13 +10,8 @@ import tensorflow as tf
 import wrapt
 
 from gradaccum._validation import _check_n, _check_reduction
-from gradaccum.distribution import (
-    _creation_scope,
-    _mirrored_counter,
-    _replica_local,
-    _strategy_of,
-    _tf_variable,
-)
+from gradaccum.adapters import _adapter_for, _families
+from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
 from gradaccum.masking import _masked_update
 
 
@@ -34,7 +29,8 @@ def _accumulator_dtype(variable: Any) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-def _check_optimizer(optimizer: Any) -> None:
+def _check_optimizer(optimizer: Any) -> Any:
+    """Returns the adapter for `optimizer`, or raises if it cannot be wrapped."""
     if isinstance(optimizer, AccumulatingOptimizer):
         raise ValueError(
             "`optimizer` is already an AccumulatingOptimizer "
@@ -42,7 +38,8 @@ def _check_optimizer(optimizer: Any) -> None:
             "Pass the plain optimizer, or set the number of micro-batches "
             "on the existing wrapper."
         )
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
+    adapter = _adapter_for(optimizer)
+    if adapter is None:
         hint = ""
         if isinstance(optimizer, (int, type)) or callable(optimizer):
             hint = (
@@ -50,22 +47,16 @@ def _check_optimizer(optimizer: Any) -> None:
                 "`accumulate(n=...)` with `n` as a keyword."
             )
         raise TypeError(
-            "`optimizer` must be a Keras optimizer instance "
-            "(keras.optimizers.Optimizer). Received: "
-            f"{optimizer!r} of type {type(optimizer).__name__}.{hint}"
+            f"`optimizer` must be an optimizer instance ({_families()}). "
+            f"Received: {optimizer!r} of type {type(optimizer).__name__}.{hint}"
         )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise TypeError(
             "Accumulating through a LossScaleOptimizer is not supported yet: "
             "wrap the inner optimizer, then loss-scale the result."
         )
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ValueError(
-            "`optimizer` has its own gradient accumulation "
-            "(gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps}); wrapping it would "
-            "accumulate twice. Create it without `gradient_accumulation_steps`."
-        )
+    adapter.check()
+    return adapter
 
 
 class AccumulatingOptimizer(wrapt.ObjectProxy):
@@ -103,10 +94,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         n: int,
         reduction: str = "mean",
     ):
-        _check_optimizer(optimizer)
+        adapter = _check_optimizer(optimizer)
         n = _check_n(n)
         reduction = _check_reduction(reduction)
         super().__init__(optimizer)
+        self._self_adapter = adapter
         self._self_n = n
         self._self_reduction = reduction
         self._self_state: _AccumulationState | None = None
@@ -115,8 +107,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         # Indices of variables that have received a gradient: they take part
         # in every update from then on (zeros on micro-steps without one).
         self._self_seen: set[int] = set()
-        if optimizer.built:
-            self._build_state(list(optimizer._trainable_variables))
+        if adapter.built:
+            self._build_state(adapter.trainable_variables())
 
     # ------------------------------------------------------------------
     # Own read-only properties.
@@ -140,7 +132,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     @property
     def built(self) -> bool:
-        return bool(self.__wrapped__.built) and self._self_state is not None
+        return self._self_adapter.built and self._self_state is not None
 
     @built.setter
     def built(self, value: bool) -> None:
@@ -155,33 +147,33 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Args:
             variables: The trainable variables the optimizer will update.
         """
-        inner = self.__wrapped__
-        if not inner.built:
-            inner.build(list(variables))
+        adapter = self._self_adapter
+        if not adapter.built:
+            adapter.build(variables)
         if self._self_state is None:
-            self._build_state(list(inner._trainable_variables))
+            self._build_state(adapter.trainable_variables())
 
     def _build_state(self, variables: list[Any]) -> None:
-        inner = self.__wrapped__
-        with _creation_scope(_strategy_of(inner)):
+        adapter = self._self_adapter
+        with _creation_scope(adapter.strategy()):
             accumulators = [
                 _replica_local(
                     tf.zeros(v.shape, dtype=_accumulator_dtype(v)),
                     name="accumulator",
-                    colocate_with=_tf_variable(v),
+                    colocate_with=adapter.model_variable(v),
                 )
                 for v in variables
             ]
             micro_step = _mirrored_counter(0, name="micro_step")
         self._self_variables = variables
-        self._self_index = {inner._var_key(v): i for i, v in enumerate(variables)}
+        self._self_index = {adapter.var_key(v): i for i, v in enumerate(variables)}
         self._self_state = _AccumulationState(accumulators, micro_step)
 
     def _indices_of(self, variables: Sequence[Any]) -> list[int]:
-        inner = self.__wrapped__
+        var_key = self._self_adapter.var_key
         indices = []
         for v in variables:
-            i = self._self_index.get(inner._var_key(v))
+            i = self._self_index.get(var_key(v))
             if i is None:
                 name = getattr(v, "path", None) or getattr(v, "name", repr(v))
                 raise ValueError(
@@ -211,7 +203,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         if pairs:
             grads, variables = zip(*pairs)
             self.apply(grads, variables)
-        return self.__wrapped__.iterations
+        return self._self_adapter.iterations
 
     def apply(
         self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
@@ -261,7 +253,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         self._accumulate_and_apply(grads, indices)
 
     def _accumulate_and_apply(self, grads: list[Any], indices: list[int]) -> None:
-        inner = self.__wrapped__
+        adapter = self._self_adapter
         state = self._self_state
         for g, i in zip(grads, indices):
             if g is None:
@@ -287,13 +279,13 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             tf.cast(a / denominator, tf.as_dtype(v.dtype))
             for a, v in zip(accumulated, variables)
         ]
-        tracked = [_tf_variable(v) for v in inner.variables]
-        tracked += [_tf_variable(v) for v in variables]
+        tracked = adapter.state_variables()
+        tracked += [adapter.model_variable(v) for v in variables]
         _masked_update(
-            _strategy_of(inner),
+            adapter.strategy(),
             keep_new,
             tracked,
-            lambda: inner.apply(update_grads, variables),
+            lambda: adapter.apply(update_grads, variables),
         )
         for i, a in zip(included, accumulated):
             state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))

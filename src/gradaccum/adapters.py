@@ -1,0 +1,92 @@
+"""What the proxy needs from an optimizer, per optimizer family.
+
+The proxy owns the accumulation; an adapter answers the few questions that
+differ between optimizer families (Keras 3 here; other families register
+their own adapter with `_register`): is it built, which variables does it
+update, which variables hold its state, and how does it apply gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import keras
+import tensorflow as tf
+
+from gradaccum.distribution import _tf_variable
+
+
+class _Keras3Optimizer:
+    """Adapter for `keras.optimizers.Optimizer` (Keras 3, TF backend)."""
+
+    family = "Keras 3"
+
+    def __init__(self, optimizer: keras.optimizers.Optimizer):
+        self.optimizer = optimizer
+
+    @staticmethod
+    def accepts(optimizer: Any) -> bool:
+        return isinstance(optimizer, keras.optimizers.Optimizer)
+
+    def check(self) -> None:
+        """Raises if the optimizer cannot be wrapped."""
+        steps = getattr(self.optimizer, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "`optimizer` has its own gradient accumulation "
+                f"(gradient_accumulation_steps={steps}); wrapping it would "
+                "accumulate twice. Create it without "
+                "`gradient_accumulation_steps`."
+            )
+
+    @property
+    def built(self) -> bool:
+        return bool(self.optimizer.built)
+
+    def build(self, variables: Sequence[Any]) -> None:
+        self.optimizer.build(list(variables))
+
+    def trainable_variables(self) -> list[Any]:
+        return list(self.optimizer._trainable_variables)
+
+    def var_key(self, variable: Any) -> Any:
+        return self.optimizer._var_key(variable)
+
+    def state_variables(self) -> list[tf.Variable]:
+        """Every TF variable holding optimizer state (slots, counters, EMA)."""
+        return [_tf_variable(v) for v in self.optimizer.variables]
+
+    def model_variable(self, variable: Any) -> tf.Variable:
+        return _tf_variable(variable)
+
+    def strategy(self) -> tf.distribute.Strategy:
+        strategy = getattr(self.optimizer, "_distribution_strategy", None)
+        return strategy if strategy is not None else tf.distribute.get_strategy()
+
+    def apply(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        self.optimizer.apply(list(grads), list(variables))
+
+    @property
+    def iterations(self) -> Any:
+        return self.optimizer.iterations
+
+
+_ADAPTERS: list[type] = [_Keras3Optimizer]
+
+
+def _register(adapter: type) -> None:
+    """Adds an adapter class (with `accepts`) for another optimizer family."""
+    if adapter not in _ADAPTERS:
+        _ADAPTERS.append(adapter)
+
+
+def _adapter_for(optimizer: Any) -> Any | None:
+    for adapter in _ADAPTERS:
+        if adapter.accepts(optimizer):
+            return adapter(optimizer)
+    return None
+
+
+def _families() -> str:
+    return ", ".join(a.family for a in _ADAPTERS)
+

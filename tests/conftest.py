@@ -1,0 +1,14 @@
+"""Test-wide TensorFlow set-up; runs before TensorFlow initialises."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import tensorflow as tf  # noqa: E402
+
+# Two logical CPUs, so MirroredStrategy with two replicas runs in-process.
+# Single-device tests are unaffected: they run on /cpu:0.
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
