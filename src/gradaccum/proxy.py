@@ -12,7 +12,7 @@ import wrapt
 from gradaccum._validation import _check_n, _check_reduction
 from gradaccum.adapters import _adapter_for, _families
 from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
-from gradaccum.masking import _masked_update
+from gradaccum.masking import _masked_update, _select
 
 
 class _AccumulationState(tf.Module):
@@ -286,10 +286,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             keep_new,
             tracked,
             lambda: adapter.apply(update_grads, variables),
+            masks_writes=getattr(adapter, "masks_writes", False),
         )
         for i, a in zip(included, accumulated):
-            state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))
-        state.micro_step.assign(tf.where(keep_new, tf.zeros_like(step), step))
+            state.accumulators[i].assign(_select(keep_new, tf.zeros_like(a), a))
+        state.micro_step.assign(_select(keep_new, tf.zeros_like(step), step))
 
     def __repr__(self) -> str:
         position = "?"
