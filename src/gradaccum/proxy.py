@@ -9,10 +9,11 @@ import keras
 import tensorflow as tf
 import wrapt
 
-from gradaccum._validation import _check_n, _check_reduction
+from gradaccum._validation import _check_mode, _check_n, _check_reduction
 from gradaccum.adapters import _adapter_for, _families
 from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
 from gradaccum.masking import _masked_update, _select
+from gradaccum.skipping import _skipped_update
 
 
 class _AccumulationState(tf.Module):
@@ -70,8 +71,10 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     weight decay, EMA, constraints, learning-rate schedules and `iterations`
     see exactly what training on the `n`-times larger batch sees.
 
-    The update is branch-free: every call runs the wrapped optimizer's update
-    and keeps its result only on the apply step (see `gradaccum.masking`).
+    By default (`mode="masked"`) the update is branch-free: every call runs
+    the wrapped optimizer's update and keeps its result only on the apply
+    step (see `gradaccum.masking`). With `mode="skip"` the update runs only
+    on the apply step (see `gradaccum.skipping`).
 
     Create it with `gradaccum.accumulate()`.
 
@@ -80,12 +83,15 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         n: Number of micro-batches per update, an int >= 1.
         reduction: `"mean"` applies the mean of the `n` micro-gradients (for
             mean-reduced losses), `"sum"` applies their sum.
+        mode: `"masked"` or `"skip"`: whether the wrapped optimizer's update
+            runs on every micro-step (its result kept only on the apply
+            step) or only on the apply step.
 
     Raises:
         TypeError: If `optimizer` is not a Keras optimizer or `n` is not an
             int.
-        ValueError: If `n < 1`, `reduction` is unknown, or `optimizer`
-            already accumulates gradients.
+        ValueError: If `n < 1`, `reduction` or `mode` is unknown, or
+            `optimizer` already accumulates gradients.
     """
 
     def __init__(
@@ -93,14 +99,17 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         optimizer: keras.optimizers.Optimizer,
         n: int,
         reduction: str = "mean",
+        mode: str = "masked",
     ):
         adapter = _check_optimizer(optimizer)
         n = _check_n(n)
         reduction = _check_reduction(reduction)
+        mode = _check_mode(mode)
         super().__init__(optimizer)
         self._self_adapter = adapter
         self._self_n = n
         self._self_reduction = reduction
+        self._self_mode = mode
         self._self_state: _AccumulationState | None = None
         self._self_variables: list[Any] = []
         self._self_index: dict[Any, int] = {}
@@ -122,6 +131,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     def reduction(self) -> str:
         """`"mean"` or `"sum"`: how the `n` micro-gradients are combined."""
         return self._self_reduction
+
+    @property
+    def mode(self) -> str:
+        """`"masked"` or `"skip"`: when the wrapped optimizer's update runs."""
+        return self._self_mode
 
     @property
     def micro_step(self) -> tf.Tensor:
@@ -275,19 +289,26 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         accumulated = [state.accumulators[i].read_value() for i in included]
         variables = [self._self_variables[i] for i in included]
         denominator = self._self_n if self._self_reduction == "mean" else 1
-        update_grads = [
-            tf.cast(a / denominator, tf.as_dtype(v.dtype))
-            for a, v in zip(accumulated, variables)
-        ]
-        tracked = adapter.state_variables()
-        tracked += [adapter.model_variable(v) for v in variables]
-        _masked_update(
-            adapter.strategy(),
-            keep_new,
-            tracked,
-            lambda: adapter.apply(update_grads, variables),
-            masks_writes=getattr(adapter, "masks_writes", False),
-        )
+
+        def apply_accumulated(accumulated: list[tf.Tensor]) -> None:
+            update_grads = [
+                tf.cast(a / denominator if denominator != 1 else a, tf.as_dtype(v.dtype))
+                for a, v in zip(accumulated, variables)
+            ]
+            adapter.apply(update_grads, variables)
+
+        if self._self_mode == "skip":
+            _skipped_update(keep_new, apply_accumulated, accumulated)
+        else:
+            tracked = adapter.state_variables()
+            tracked += [adapter.model_variable(v) for v in variables]
+            _masked_update(
+                adapter.strategy(),
+                keep_new,
+                tracked,
+                lambda: apply_accumulated(accumulated),
+                masks_writes=getattr(adapter, "masks_writes", False),
+            )
         for i, a in zip(included, accumulated):
             state.accumulators[i].assign(_select(keep_new, tf.zeros_like(a), a))
         state.micro_step.assign(_select(keep_new, tf.zeros_like(step), step))
@@ -298,7 +319,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             position = str(int(self._self_state.micro_step.numpy()))
         return (
             f"<AccumulatingOptimizer n={self._self_n} "
-            f"reduction={self._self_reduction!r} micro_step={position} "
+            f"reduction={self._self_reduction!r} mode={self._self_mode!r} "
+            f"micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
 
@@ -308,6 +330,7 @@ def accumulate(
     n: int | None = None,
     *,
     reduction: str = "mean",
+    mode: str = "masked",
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -323,6 +346,14 @@ def accumulate(
         reduction: `"mean"` (default) applies the mean of the micro-batch
             gradients, as training on the large batch with a mean-reduced loss
             does; `"sum"` applies their sum (for sum-reduced losses).
+        mode: `"masked"` (default) runs the wrapped optimizer's update on
+            every micro-step and keeps its result only on the apply step,
+            with no branch around it: every micro-step runs the same
+            operations, including the optimizer's replica synchronisation.
+            `"skip"` runs the update only on the apply step (a `tf.cond`
+            decided in cross-replica context, so it works under
+            `MirroredStrategy`): in-between micro-steps cost only the
+            accumulation. Both give the same result.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -331,8 +362,8 @@ def accumulate(
     Raises:
         TypeError: If `n` is missing or not an int, or `optimizer` is not a
             Keras optimizer.
-        ValueError: If `n < 1`, `reduction` is unknown, or `optimizer`
-            already accumulates gradients.
+        ValueError: If `n < 1`, `reduction` or `mode` is unknown, or
+            `optimizer` already accumulates gradients.
     """
     if n is None:
         raise TypeError(
@@ -340,8 +371,9 @@ def accumulate(
         )
     n = _check_n(n)
     reduction = _check_reduction(reduction)
+    mode = _check_mode(mode)
     if optimizer is not None:
-        return AccumulatingOptimizer(optimizer, n, reduction=reduction)
+        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode)
 
     def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(factory):
@@ -354,7 +386,7 @@ def accumulate(
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
             return AccumulatingOptimizer(
-                factory(*args, **kwargs), n, reduction=reduction
+                factory(*args, **kwargs), n, reduction=reduction, mode=mode
             )
 
         return make
