@@ -13,17 +13,18 @@ Two ways to mask, chosen by the optimizer family's adapter:
 - Masked writes (`_masking_writes`), for optimizers whose every state change
   goes through a write method of a TensorFlow variable (`assign`,
   `assign_add`, `assign_sub`, `scatter_*`), as Keras 3 optimizers' do. While
-  the update runs, those methods of each tracked variable write
-  `select(keep_new, new, current)` instead: on an in-between step each write
-  leaves its variable as it is. Nothing is copied ahead of the update, so
-  only the temporaries of the writes in progress are alive at any moment.
+  the update runs, each of those writes to a tracked variable happens only
+  if `keep_new`: `tf.cond(keep_new, write, nothing)` around that one write,
+  whose value is computed unconditionally. Nothing is copied ahead of the
+  update, and an in-between step writes nothing.
 - Snapshot and select (`_snapshot_update`), for optimizers that write through
   fused kernels on raw variable handles: the values of every tracked
   variable are read before the update and selected after it. This keeps one
   copy of all of them alive until the select.
 
-Selecting (`_select`) rather than multiplying by 0/1 means a non-finite value
-in the discarded update cannot leak into the kept one (0 x inf is NaN).
+Selecting or skipping a write, rather than multiplying by 0/1, means a
+non-finite value in the discarded update cannot leak into the kept one
+(0 x inf is NaN).
 """
 
 from __future__ import annotations
@@ -84,6 +85,35 @@ def _masked_update(
         _snapshot_update(strategy, keep_new, state, update)
 
 
+def _read_after_writes(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
+    """Reads `variables` once the writes made so far to all of them have run.
+
+    Each accumulator is otherwise read as soon as its own micro-gradient has
+    been added, and what is computed from it allocated while the
+    micro-gradients of other variables are still alive.
+    """
+    reads = [v.read_value() for v in variables]
+    with tf.control_dependencies(reads):
+        return [tf.identity(r) for r in reads]
+
+
+def _zero_if(keep_new: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
+    """Sets replica-local `variables` to zero if `keep_new`.
+
+    A `tf.cond`: its branch writes only replica-local variables and
+    synchronises nothing, and on an in-between step nothing is allocated.
+    The zeros are filled at run time from a value TensorFlow cannot know in
+    advance: zeros of a static shape are folded into a graph constant, which
+    then stays in memory.
+    """
+
+    def zero() -> None:
+        for v in variables:
+            v.assign(tf.fill(tf.shape(v), tf.cast(tf.logical_not(keep_new), v.dtype)))
+
+    tf.cond(keep_new, zero, _nothing)
+
+
 # ----------------------------------------------------------------------
 # Snapshot and select: one copy of all of `state` alive during the update.
 
@@ -109,13 +139,13 @@ def _snapshot_update(
 
 
 # ----------------------------------------------------------------------
-# Masked writes: each write keeps its new value only if `keep_new`.
+# Masked writes: each write happens only if `keep_new`.
 
-# Write methods of `tf.Variable` masked as `assign(select(keep_new, new, old))`.
-_ADDITIVE = {"assign_add": tf.math.add, "assign_sub": tf.math.subtract}
-# Every other write method: masked by reading the variable just before the
-# write and selecting just after it.
-_OTHER_WRITES = (
+# The write methods of `tf.Variable`.
+_WRITES = (
+    "assign",
+    "assign_add",
+    "assign_sub",
     "scatter_add",
     "scatter_sub",
     "scatter_max",
@@ -133,8 +163,19 @@ _OTHER_WRITES = (
 _MISSING = object()
 
 
+def _nothing() -> None:
+    return None
+
+
 class _WriteMask:
-    """The write methods of one TensorFlow variable, masked by `keep_new`."""
+    """The write methods of one TensorFlow variable, masked by `keep_new`.
+
+    A masked write is `tf.cond(keep_new, write, nothing)`. The branch holds
+    that one write and nothing that synchronises replicas; the value it
+    writes is computed outside, unconditionally. Selecting between the new
+    and the current value instead would assign a variable its own buffer on
+    every in-between step, which TensorFlow does by copying it.
+    """
 
     def __init__(self, variable: tf.Variable, keep_new: tf.Tensor):
         self.variable = variable
@@ -144,18 +185,10 @@ class _WriteMask:
 
     def install(self) -> None:
         var = self.variable
-        writes = {}
-        for name in ("assign", *_ADDITIVE, *_OTHER_WRITES):
+        for name in _WRITES:
             if hasattr(var, name):
                 self._saved[name] = var.__dict__.get(name, _MISSING)
-                writes[name] = getattr(var, name)
-        assign = writes.pop("assign")
-        var.assign = self._masked_assign(assign)
-        for name, write in writes.items():
-            if name in _ADDITIVE:
-                setattr(var, name, self._masked_additive(_ADDITIVE[name], assign))
-            else:
-                setattr(var, name, self._masked_other(write, assign))
+                setattr(var, name, self._masked(getattr(var, name)))
 
     def uninstall(self) -> None:
         var = self.variable
@@ -165,40 +198,17 @@ class _WriteMask:
                 setattr(var, name, saved)
         self._saved.clear()
 
-    def _masked_assign(self, assign: Callable[..., Any]) -> Callable[..., Any]:
+    def _masked(self, write: Callable[..., Any]) -> Callable[..., Any]:
         var = self.variable
 
-        def masked_assign(value, *args, **kwargs):
-            value = tf.convert_to_tensor(value, dtype=var.dtype)
-            return assign(_select(self.keep_new, value, var.read_value()), *args, **kwargs)
+        def masked_write(*args: Any, **kwargs: Any) -> tf.Variable:
+            def run() -> None:
+                write(*args, **kwargs)
 
-        return masked_assign
+            tf.cond(self.keep_new, run, _nothing)
+            return var
 
-    def _masked_additive(
-        self, op: Callable[..., tf.Tensor], assign: Callable[..., Any]
-    ) -> Callable[..., Any]:
-        # `var + delta` rounds exactly as the in-place `assign_add` does.
-        var = self.variable
-
-        def masked_additive(delta, *args, **kwargs):
-            current = var.read_value()
-            new = op(current, tf.convert_to_tensor(delta, dtype=var.dtype))
-            return assign(_select(self.keep_new, new, current), *args, **kwargs)
-
-        return masked_additive
-
-    def _masked_other(
-        self, write: Callable[..., Any], assign: Callable[..., Any]
-    ) -> Callable[..., Any]:
-        var = self.variable
-
-        def masked_other(*args, **kwargs):
-            old = var.read_value()
-            result = write(*args, **kwargs)
-            assign(_select(self.keep_new, var.read_value(), old))
-            return result
-
-        return masked_other
+        return masked_write
 
 
 # Variables whose write methods are masked now, by id. Under

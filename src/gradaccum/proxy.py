@@ -12,7 +12,7 @@ import wrapt
 from gradaccum._validation import _check_mode, _check_n, _check_reduction
 from gradaccum.adapters import _adapter_for, _families
 from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
-from gradaccum.masking import _masked_update, _select
+from gradaccum.masking import _masked_update, _read_after_writes, _select, _zero_if
 from gradaccum.skipping import _skipped_update
 
 
@@ -286,7 +286,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         step = state.micro_step.read_value() + 1
         keep_new = step >= self._self_n
         included = sorted(self._self_seen)
-        accumulated = [state.accumulators[i].read_value() for i in included]
+        accumulated = _read_after_writes([state.accumulators[i] for i in included])
         variables = [self._self_variables[i] for i in included]
         denominator = self._self_n if self._self_reduction == "mean" else 1
 
@@ -309,8 +309,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 lambda: apply_accumulated(accumulated),
                 masks_writes=getattr(adapter, "masks_writes", False),
             )
-        for i, a in zip(included, accumulated):
-            state.accumulators[i].assign(_select(keep_new, tf.zeros_like(a), a))
+        _zero_if(keep_new, [state.accumulators[i] for i in included])
         state.micro_step.assign(_select(keep_new, tf.zeros_like(step), step))
 
     def __repr__(self) -> str:
