@@ -11,7 +11,12 @@ import wrapt
 
 from gradaccum._validation import _check_n, _check_reduction
 from gradaccum.adapters import _adapter_for, _families
-from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
+from gradaccum.distribution import (
+    _creation_scope,
+    _local_copy,
+    _mirrored_counter,
+    _replica_local,
+)
 from gradaccum.masking import _masked_update
 
 
@@ -260,7 +265,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 continue
             acc = state.accumulators[i]
             if isinstance(g, tf.IndexedSlices):
-                acc.scatter_add(
+                _local_copy(acc).scatter_add(
                     tf.IndexedSlices(
                         tf.cast(g.values, acc.dtype), g.indices, g.dense_shape
                     )
