@@ -1,6 +1,7 @@
 """Exact gradient accumulation for any TensorFlow/Keras optimizer."""
 
+from gradaccum import callbacks
 from gradaccum.proxy import AccumulatingOptimizer, accumulate
 
-__all__ = ["AccumulatingOptimizer", "accumulate"]
+__all__ = ["AccumulatingOptimizer", "accumulate", "callbacks"]
 __version__ = "0.1.0"
