@@ -117,24 +117,31 @@ def replica_accumulators(
 ) -> list[list[np.ndarray]]:
     """Each local replica's own accumulator values (they are replica-local)."""
     # The accumulators are the proxy's internal state; read them directly.
-    accumulators = optimizer._self_state.accumulators
+    accumulators = optimizer._self_core._self_state.accumulators
     per_variable = [_local(strategy, a) for a in accumulators]
     return [list(values) for values in zip(*per_variable)]
 
 
 class RecordStates(keras.callbacks.Callback):
-    """Records `replica_states` (and accumulators) after every batch of fit."""
+    """Records `replica_states` and accumulators after every batch of fit.
 
-    def __init__(self, strategy: tf.distribute.Strategy, optimizer: Any):
+    `core` is the `AccumulatingOptimizer` holding the accumulators when
+    `optimizer` is a loss-scale optimizer around it (default: `optimizer`).
+    """
+
+    def __init__(
+        self, strategy: tf.distribute.Strategy, optimizer: Any, core: Any = None
+    ):
         super().__init__()
         self.strategy = strategy
         self.optimizer = optimizer
+        self.core = core if core is not None else optimizer
         self.states: list[list[dict[str, np.ndarray]]] = []
         self.accumulators: list[list[list[np.ndarray]]] = []
 
     def record(self) -> None:
         self.states.append(replica_states(self.strategy, self.model, self.optimizer))
-        self.accumulators.append(replica_accumulators(self.strategy, self.optimizer))
+        self.accumulators.append(replica_accumulators(self.strategy, self.core))
 
     def on_train_begin(self, logs=None):
         self.record()
