@@ -100,8 +100,9 @@ def replica_states(
     strategy: tf.distribute.Strategy, model: keras.Model, optimizer: Any
 ) -> list[dict[str, np.ndarray]]:
     """`support.full_state` for each local replica's copy of the variables."""
-    named = [(f"model/{v.path}", v) for v in model.weights]
-    named += list(zip(optimizer_state(optimizer), optimizer.variables))
+    # Keys as in `support.full_state`.
+    named = [("model/" + "/".join(v.path.split("/")[-2:]), v) for v in model.weights]
+    named += list(zip(optimizer_state(optimizer, model.name), optimizer.variables))
     named.append(("iterations", optimizer.iterations))
     states: list[dict[str, np.ndarray]] = [
         {} for _ in range(len(strategy.extended.worker_devices))

@@ -94,7 +94,7 @@ class _Keras3Optimizer:
         Costs one more all-reduce per step, only when clipping is set.
         """
         summed = _sum_over_replicas(grads)
-        scale = self.optimizer.loss_scale_factor
+        scale = getattr(self.optimizer, "loss_scale_factor", None)
         if scale is not None:
             summed = [g / scale for g in summed]
         clipped = self.optimizer._clip_gradients(summed)
