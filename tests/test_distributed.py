@@ -108,6 +108,23 @@ def test_fit_matches_single_device_large_batch(strategy, name):
     _check_replicas_agree(strategy, model, optimizer)
 
 
+def test_n1_is_the_plain_optimizer_under_two_replicas(strategy):
+    """`n=1` hands gradients straight over: plain Keras, bit for bit.
+
+    With clipping that is Keras's per-replica clipping (what plain Keras does
+    under a strategy); only accumulated updates are clipped as on one device.
+    """
+    x, y = _data()
+    states = []
+    for wrap in (lambda o: o, lambda o: accumulate(o, 1)):
+        with strategy.scope():
+            model = make_mlp()
+            optimizer = wrap(OPTIMIZERS["adam_clipnorm"]())
+        fit(model, optimizer, x, y, MICRO_BATCH)
+        states.append(full_state(model, optimizer))
+    assert_states_equal(*states)
+
+
 def test_fit_run_eagerly(strategy):
     reference = _reference_fit(OPTIMIZERS["adam"])
     x, y = _data()

@@ -72,6 +72,14 @@ class _Keras3Optimizer:
         return strategy if strategy is not None else tf.distribute.get_strategy()
 
     def apply(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        self.optimizer.apply(list(grads), list(variables))
+
+    def apply_accumulated(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        """`apply` for accumulated (dense, per-replica) gradients.
+
+        Under several replicas with clipping set, clips what one device
+        training on the large batch would clip (see `_clip_across_replicas`).
+        """
         grads = list(grads)
         replicas = _replicas_in_sync()
         if replicas > 1 and self._clips():

@@ -471,7 +471,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             adapter.strategy(),
             keep_new,
             tracked,
-            lambda: adapter.apply(update_grads, variables),
+            lambda: adapter.apply_accumulated(update_grads, variables),
         )
         for i, a in zip(included, accumulated):
             state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))
