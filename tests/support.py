@@ -9,8 +9,9 @@ float32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
@@ -173,3 +174,14 @@ def mirrored() -> tf.distribute.MirroredStrategy:
     if not _MIRRORED:
         _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
     return _MIRRORED[0]
+
+
+@contextlib.contextmanager
+def dtype_policy(name: str) -> Iterator[None]:
+    """Sets Keras's global dtype policy for the block, then restores it."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)

@@ -9,7 +9,6 @@ hold the same values after each apply step, and in-between micro-steps must
 leave every replica's variables bit-identical.
 """
 
-import contextlib
 
 import keras
 import numpy as np
@@ -26,6 +25,7 @@ from tests.dist_support import (
     replica_states,
 )
 from tests.support import (
+    dtype_policy,
     assert_states_close,
     assert_states_equal,
     fit,
@@ -281,14 +281,6 @@ LSO_WRAPS = {
 }
 
 
-@contextlib.contextmanager
-def _policy(name):
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(name)
-    try:
-        yield
-    finally:
-        keras.config.set_dtype_policy(previous)
 
 
 def _core(optimizer):
@@ -305,7 +297,7 @@ def _scale(optimizer) -> float:
 @pytest.mark.parametrize("order", sorted(LSO_WRAPS))
 def test_loss_scale_optimizer_fit_mixed_float16(strategy, order):
     x, y = _data()
-    with _policy("mixed_float16"):
+    with dtype_policy("mixed_float16"):
         ref_model, ref_optimizer = make_mlp(), LSO(OPTIMIZERS["adam"]())
         fit(ref_model, ref_optimizer, x, y, MICRO_BATCH * N)
         with strategy.scope():
