@@ -8,6 +8,7 @@ update, which variables hold its state, and how does it apply gradients.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import keras
@@ -63,6 +64,16 @@ class _Keras3Optimizer:
         strategy = getattr(self.optimizer, "_distribution_strategy", None)
         return strategy if strategy is not None else tf.distribute.get_strategy()
 
+    def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Extra `apply_gradients` arguments: a Keras 3 optimizer takes none."""
+        if args or kwargs:
+            raise TypeError(
+                "apply_gradients() of a Keras 3 optimizer takes only "
+                "`grads_and_vars`. Received extra arguments: "
+                f"{list(args) + sorted(kwargs)}."
+            )
+        return {}
+
     def apply(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         self.optimizer.apply(list(grads), list(variables))
 
@@ -80,7 +91,18 @@ def _register(adapter: type) -> None:
         _ADAPTERS.append(adapter)
 
 
+def _load_optional_families() -> None:
+    """Registers the adapters of optimizer families already imported.
+
+    `tf_keras` is imported only by its users; its adapters are loaded once it
+    is, so `import gradaccum` never imports it.
+    """
+    if "tf_keras" in sys.modules:
+        import gradaccum.legacy  # noqa: F401  (registers its adapters)
+
+
 def _adapter_for(optimizer: Any) -> Any | None:
+    _load_optional_families()
     for adapter in _ADAPTERS:
         if adapter.accepts(optimizer):
             return adapter(optimizer)
@@ -88,5 +110,6 @@ def _adapter_for(optimizer: Any) -> Any | None:
 
 
 def _families() -> str:
+    _load_optional_families()
     return ", ".join(a.family for a in _ADAPTERS)
 

@@ -189,21 +189,62 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     # ------------------------------------------------------------------
     # Applying.
 
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple[Any, Any]], *args: Any, **kwargs: Any
+    ) -> Any:
         """Accumulates one micro-batch of gradients; applies every `n`-th.
 
         Args:
             grads_and_vars: `(gradient, variable)` pairs. A gradient may be
                 `None` (counted as zeros) or a `tf.IndexedSlices`.
+            *args: Further arguments of the wrapped optimizer's
+                `apply_gradients` (a `tf_keras` optimizer's `name`,
+                `skip_gradients_aggregation`,
+                `experimental_aggregate_gradients`), passed to it on the
+                applied update. A Keras 3 optimizer takes none.
+            **kwargs: The same, by name.
 
         Returns:
             The wrapped optimizer's `iterations` (applied updates).
+
+        Raises:
+            TypeError: If an argument is not one the wrapped optimizer's
+                `apply_gradients` takes.
         """
+        options = self._self_adapter.apply_options(*args, **kwargs)
         pairs = list(grads_and_vars)
         if pairs:
             grads, variables = zip(*pairs)
-            self.apply(grads, variables)
+            self._apply(grads, variables, options)
         return self._self_adapter.iterations
+
+    def minimize(self, loss: Any, var_list: Any, *args: Any, **kwargs: Any) -> Any:
+        """Computes the gradients of `loss` and accumulates them.
+
+        The `minimize` of a `tf_keras` optimizer (which `Model.fit` calls),
+        with its gradients going through this optimizer's `apply_gradients`.
+
+        Args:
+            loss: The loss tensor (with `tape`) or a callable returning it.
+            var_list: The variables to minimize `loss` for.
+            *args: The wrapped optimizer's further `minimize` arguments
+                (`tape`, ...).
+            **kwargs: The same, by name.
+
+        Returns:
+            What the wrapped optimizer's `minimize` returns.
+
+        Raises:
+            AttributeError: If the wrapped optimizer has no `minimize`
+                (Keras 3).
+        """
+        minimize = getattr(self._self_adapter, "minimize", None)
+        if minimize is None:
+            raise AttributeError(
+                f"{type(self.__wrapped__).__name__!r} object has no attribute "
+                "'minimize'"
+            )
+        return minimize(self, loss, var_list, *args, **kwargs)
 
     def apply(
         self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
@@ -220,6 +261,14 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 if `grads` does not match the built variables, or if every
                 gradient is `None`.
         """
+        self._apply(grads, trainable_variables, {})
+
+    def _apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None,
+        options: dict[str, Any],
+    ) -> None:
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -250,9 +299,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 "No gradients provided for any variable (every gradient is "
                 "None)."
             )
-        self._accumulate_and_apply(grads, indices)
+        self._accumulate_and_apply(grads, indices, options)
 
-    def _accumulate_and_apply(self, grads: list[Any], indices: list[int]) -> None:
+    def _accumulate_and_apply(
+        self, grads: list[Any], indices: list[int], options: dict[str, Any]
+    ) -> None:
         adapter = self._self_adapter
         state = self._self_state
         for g, i in zip(grads, indices):
@@ -285,7 +336,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             adapter.strategy(),
             keep_new,
             tracked,
-            lambda: adapter.apply(update_grads, variables),
+            lambda: adapter.apply(update_grads, variables, **options),
         )
         for i, a in zip(included, accumulated):
             state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))

@@ -1,0 +1,219 @@
+"""Adapters for legacy Keras 2 (`tf_keras`) optimizers.
+
+Two optimizer families ship with `tf_keras`:
+
+- `tf_keras.optimizers.Optimizer`, the optimizer introduced in Keras 2.11
+  (`tf_keras.optimizers.Adam`, ...), and
+- `tf_keras.optimizers.legacy.Optimizer` (`OptimizerV2`), whose updates run
+  in fused kernels (`ResourceApplyAdam`, ...) on the raw variable handles.
+
+Neither exposes a hook around its variable writes, and none is needed: the
+masked update in `gradaccum.masking` reads every variable an update can
+touch before the update and selects between old and new values after it, so
+fused kernels, weight decay, EMA and constraints are all rolled back alike on
+the in-between micro-steps.
+
+This module imports `tf_keras`; `gradaccum.adapters` loads it only once
+`tf_keras` has been imported by someone else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+import tf_keras
+from tf_keras.src.mixed_precision.autocast_variable import AutoCastVariable
+from tf_keras.src.optimizers.legacy import optimizer_v2
+
+from gradaccum.adapters import _register
+
+_NewOptimizer = tf_keras.optimizers.Optimizer
+_OptimizerV2 = tf_keras.optimizers.legacy.Optimizer
+# Both loss-scale optimizers (around either family) subclass this one.
+_LossScaleOptimizers = tf_keras.mixed_precision.LossScaleOptimizer
+
+
+def _raw_variable(variable: Any) -> Any:
+    """The variable an update writes: the one inside an `AutoCastVariable`."""
+    if isinstance(variable, AutoCastVariable):
+        return variable._variable
+    return variable
+
+
+def _variable_name(variable: Any) -> str:
+    return getattr(variable, "name", repr(variable))
+
+
+class _TfKerasAdapter:
+    """What both `tf_keras` optimizer families share."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+        # The variables this adapter has built the optimizer for, in order.
+        # A `tf_keras` optimizer does not keep that list itself.
+        self._variables: list[Any] | None = None
+
+    @classmethod
+    def accepts(cls, optimizer: Any) -> bool:
+        return isinstance(optimizer, cls._base) and not isinstance(
+            optimizer, _LossScaleOptimizers
+        )
+
+    def check(self) -> None:
+        """Raises if the optimizer cannot be wrapped."""
+
+    @property
+    def built(self) -> bool:
+        return self._variables is not None
+
+    def trainable_variables(self) -> list[Any]:
+        return list(self._variables or [])
+
+    def model_variable(self, variable: Any) -> tf.Variable:
+        return _raw_variable(variable)
+
+    @property
+    def iterations(self) -> Any:
+        return self.optimizer.iterations
+
+    def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The extra `apply_gradients` arguments, by name, checked."""
+        names = self._apply_options
+        if len(args) > len(names):
+            raise TypeError(
+                f"apply_gradients() takes at most {len(names) + 1} positional "
+                f"arguments ({len(args) + 1} given)."
+            )
+        options = dict(zip(names, args))
+        for key, value in kwargs.items():
+            if key not in names:
+                raise TypeError(
+                    f"apply_gradients() got an unexpected keyword argument "
+                    f"{key!r}; a {self.family} optimizer takes "
+                    f"{', '.join(f'`{n}`' for n in names)}."
+                )
+            if key in options:
+                raise TypeError(
+                    f"apply_gradients() got multiple values for argument {key!r}."
+                )
+            options[key] = value
+        return options
+
+    def minimize(
+        self, proxy: Any, loss: Any, var_list: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """The wrapped optimizer's `minimize`, applying through `proxy`."""
+        raise NotImplementedError
+
+
+class _TfKerasOptimizer(_TfKerasAdapter):
+    """Adapter for `tf_keras.optimizers.Optimizer` (Keras 2.11+)."""
+
+    family = "tf_keras"
+    _base = _NewOptimizer
+
+    def build(self, variables: Sequence[Any]) -> None:
+        opt = self.optimizer
+        variables = list(variables)
+        if getattr(opt, "_built", False):
+            known = opt._index_dict
+            missing = [v for v in variables if opt._var_key(v) not in known]
+            if missing:
+                raise ValueError(
+                    "`optimizer` was built for other variables than the ones "
+                    "it now receives gradients for: "
+                    f"{[_variable_name(v) for v in missing]}. Build a new "
+                    "optimizer for a new set of variables."
+                )
+        else:
+            # As `apply_gradients` does: slots named after the optimizer.
+            with tf.name_scope(opt.name or "optimizer"), tf.init_scope():
+                opt.build(variables)
+        self._variables = variables
+
+    def var_key(self, variable: Any) -> Any:
+        return self.optimizer._var_key(variable)
+
+    def state_variables(self) -> list[tf.Variable]:
+        opt = self.optimizer
+        state = list(opt.variables)
+        # Assigned from the schedule by every `apply_gradients`; not listed
+        # in `variables`.
+        current_lr = getattr(opt, "_current_learning_rate", None)
+        if isinstance(current_lr, tf.Variable):
+            state.append(current_lr)
+        return state
+
+    def strategy(self) -> tf.distribute.Strategy:
+        strategy = getattr(self.optimizer, "_distribution_strategy", None)
+        return strategy if strategy is not None else tf.distribute.get_strategy()
+
+    _apply_options = (
+        "name",
+        "skip_gradients_aggregation",
+        "experimental_aggregate_gradients",
+    )
+
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
+    ) -> None:
+        self.optimizer.apply_gradients(list(zip(grads, variables)), **options)
+
+    def minimize(
+        self, proxy: Any, loss: Any, var_list: Any, tape: Any = None
+    ) -> None:
+        grads_and_vars = self.optimizer.compute_gradients(loss, var_list, tape)
+        proxy.apply_gradients(grads_and_vars)
+
+
+class _TfKerasOptimizerV2(_TfKerasAdapter):
+    """Adapter for `tf_keras.optimizers.legacy.Optimizer` (OptimizerV2)."""
+
+    family = "tf_keras legacy"
+    _base = _OptimizerV2
+
+    def build(self, variables: Sequence[Any]) -> None:
+        opt = self.optimizer
+        variables = list(variables)
+        # As `apply_gradients` does: creates `iterations`, the
+        # hyperparameter variables and any missing slots.
+        with tf.name_scope(opt._name), tf.init_scope():
+            opt._create_all_weights(variables)
+        self._variables = variables
+
+    def var_key(self, variable: Any) -> Any:
+        return optimizer_v2._var_key(variable)
+
+    def state_variables(self) -> list[tf.Variable]:
+        # `iterations`, hyperparameters and slots; `variables` is a method.
+        return list(self.optimizer.variables())
+
+    def strategy(self) -> tf.distribute.Strategy:
+        strategy = self.optimizer._distribution_strategy
+        return strategy if strategy is not None else tf.distribute.get_strategy()
+
+    _apply_options = ("name", "experimental_aggregate_gradients")
+
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
+    ) -> None:
+        self.optimizer.apply_gradients(list(zip(grads, variables)), **options)
+
+    def minimize(
+        self,
+        proxy: Any,
+        loss: Any,
+        var_list: Any,
+        grad_loss: Any = None,
+        name: str | None = None,
+        tape: Any = None,
+    ) -> Any:
+        grads_and_vars = self.optimizer._compute_gradients(
+            loss, var_list=var_list, grad_loss=grad_loss, tape=tape
+        )
+        return proxy.apply_gradients(grads_and_vars, name=name)
+
+
+_register(_TfKerasOptimizer)
+_register(_TfKerasOptimizerV2)
