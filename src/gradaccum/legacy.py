@@ -112,6 +112,7 @@ class _TfKerasOptimizer(_TfKerasAdapter):
 
     family = "tf_keras"
     _base = _NewOptimizer
+    _build_scope: str | None = None
 
     def build(self, variables: Sequence[Any]) -> None:
         opt = self.optimizer
@@ -127,23 +128,29 @@ class _TfKerasOptimizer(_TfKerasAdapter):
                     "optimizer for a new set of variables."
                 )
         else:
-            # As `apply_gradients` does: slots named after the optimizer.
-            with tf.name_scope(opt.name or "optimizer"), tf.init_scope():
+            # As `apply_gradients` does: slots named after the optimizer, or
+            # after the `name` the first `apply_gradients` call passes.
+            scope = self._build_scope or opt.name or "optimizer"
+            with tf.name_scope(scope), tf.init_scope():
                 opt.build(variables)
         self._variables = variables
+
+    def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        options = super().apply_options(*args, **kwargs)
+        if not self.built:
+            self._build_scope = options.get("name")
+        return options
 
     def var_key(self, variable: Any) -> Any:
         return self.optimizer._var_key(variable)
 
     def state_variables(self) -> list[tf.Variable]:
         opt = self.optimizer
-        state = list(opt.variables)
-        # Assigned from the schedule by every `apply_gradients`; not listed
-        # in `variables`.
-        current_lr = getattr(opt, "_current_learning_rate", None)
-        if isinstance(current_lr, tf.Variable):
-            state.append(current_lr)
-        return state
+        # `variables` misses some state an update writes: the learning rate
+        # `apply_gradients` assigns from its schedule, Nadam's `_u_product`.
+        # Every variable the optimizer holds as an attribute is tracked too.
+        hidden = [v for v in vars(opt).values() if isinstance(v, tf.Variable)]
+        return list(opt.variables) + hidden
 
     def strategy(self) -> tf.distribute.Strategy:
         strategy = getattr(self.optimizer, "_distribution_strategy", None)
@@ -158,7 +165,14 @@ class _TfKerasOptimizer(_TfKerasAdapter):
     def apply(
         self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
     ) -> None:
-        self.optimizer.apply_gradients(list(zip(grads, variables)), **options)
+        opt = self.optimizer
+        if tf.executing_eagerly() and hasattr(opt, "_u_product_counter"):
+            # Nadam also keeps a Python counter: run eagerly, it says for
+            # which step `_u_product` is already up to date, and it is
+            # `iterations + 1` before every step of plain training. The
+            # masked update rolls the variable back but not the counter.
+            opt._u_product_counter = int(opt.iterations.numpy()) + 1
+        opt.apply_gradients(list(zip(grads, variables)), **options)
 
     def minimize(
         self, proxy: Any, loss: Any, var_list: Any, tape: Any = None
