@@ -57,12 +57,16 @@ def make_embedding_model(vocab: int = 20, dim: int = 4, seed: int = 0) -> keras.
 
 
 def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
-    """Every optimizer variable by path without the optimizer's own name."""
+    """Every optimizer variable by the last part of its path.
+
+    The leading parts name the optimizer (and a loss-scale wrapper), which
+    differ between the runs compared.
+    """
     out = {}
     for v in optimizer.variables:
         # Unnamed variables get a process-wide counter suffix ("variable_3");
         # drop it, and number repeats in creation order instead.
-        path = re.sub(r"_\d+$", "", v.path.split("/", 1)[-1])
+        path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
         key, k = f"opt/{path}", 1
         while key in out:
             key, k = f"opt/{path}#{k}", k + 1

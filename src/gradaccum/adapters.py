@@ -77,8 +77,16 @@ class _Keras3Optimizer:
     def apply(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         self.optimizer.apply(list(grads), list(variables))
 
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's own `apply_gradients` (a loss-scale one's)."""
+        return self.optimizer.apply_gradients(grads_and_vars, *args, **kwargs)
+
     @property
     def iterations(self) -> Any:
+        return self.optimizer.iterations
+
+    def apply_gradients_result(self) -> Any:
+        """What `apply_gradients` returns: the optimizer's `iterations`."""
         return self.optimizer.iterations
 
 

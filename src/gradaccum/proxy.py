@@ -12,6 +12,7 @@ import wrapt
 from gradaccum._validation import _check_n, _check_reduction
 from gradaccum.adapters import _adapter_for, _families
 from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
+from gradaccum.loss_scaling import _inner_attribute, _install
 from gradaccum.masking import _masked_update
 
 
@@ -50,10 +51,13 @@ def _check_optimizer(optimizer: Any) -> Any:
             f"`optimizer` must be an optimizer instance ({_families()}). "
             f"Received: {optimizer!r} of type {type(optimizer).__name__}.{hint}"
         )
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise TypeError(
-            "Accumulating through a LossScaleOptimizer is not supported yet: "
-            "wrap the inner optimizer, then loss-scale the result."
+    attribute = _inner_attribute(optimizer)
+    if attribute is not None and isinstance(
+        getattr(optimizer, attribute), AccumulatingOptimizer
+    ):
+        raise ValueError(
+            "`optimizer` is a loss-scale optimizer around an "
+            "AccumulatingOptimizer already; wrapping it would accumulate twice."
         )
     adapter.check()
     return adapter
@@ -72,6 +76,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     The update is branch-free: every call runs the wrapped optimizer's update
     and keeps its result only on the apply step (see `gradaccum.masking`).
+
+    Wrapping a loss-scale optimizer accumulates inside it, on its inner
+    optimizer: the result is still the loss-scale optimizer to other code,
+    and a non-finite micro-batch is dropped, not counted (see
+    `gradaccum.loss_scaling`).
 
     Create it with `gradaccum.accumulate()`.
 
@@ -101,6 +110,17 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         self._self_adapter = adapter
         self._self_n = n
         self._self_reduction = reduction
+        # Where the accumulation happens: this proxy, or for a loss-scale
+        # optimizer an AccumulatingOptimizer installed as its inner optimizer.
+        self._self_core: AccumulatingOptimizer = self
+        attribute = _inner_attribute(optimizer)
+        if attribute is not None:
+            self._self_core = _install(
+                optimizer,
+                attribute,
+                lambda inner: AccumulatingOptimizer(inner, n, reduction=reduction),
+            )
+            return
         self._self_state: _AccumulationState | None = None
         self._self_variables: list[Any] = []
         self._self_index: dict[Any, int] = {}
@@ -116,22 +136,25 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     @property
     def n(self) -> int:
         """Number of micro-batches accumulated per applied update."""
-        return self._self_n
+        return self._self_core._self_n
 
     @property
     def reduction(self) -> str:
         """`"mean"` or `"sum"`: how the `n` micro-gradients are combined."""
-        return self._self_reduction
+        return self._self_core._self_reduction
 
     @property
     def micro_step(self) -> tf.Tensor:
         """Micro-batches accumulated in the current cycle (int64, 0..n-1)."""
-        if self._self_state is None:
+        state = self._self_core._self_state
+        if state is None:
             return tf.constant(0, dtype=tf.int64)
-        return tf.identity(self._self_state.micro_step)
+        return tf.identity(state.micro_step)
 
     @property
     def built(self) -> bool:
+        if self._self_core is not self:
+            return self._self_core.built
         return self._self_adapter.built and self._self_state is not None
 
     @built.setter
@@ -147,6 +170,12 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Args:
             variables: The trainable variables the optimizer will update.
         """
+        if self._self_core is not self:
+            # The wrapper's own `build` if it has one (a tf_keras
+            # OptimizerV2 has none): it builds the core and its own state.
+            build = getattr(self.__wrapped__, "build", None) or self._self_core.build
+            build(list(variables))
+            return
         adapter = self._self_adapter
         if not adapter.built:
             adapter.build(variables)
@@ -205,18 +234,24 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             **kwargs: The same, by name.
 
         Returns:
-            The wrapped optimizer's `iterations` (applied updates).
+            What the wrapped optimizer's `apply_gradients` returns: its
+            `iterations` (applied updates), or for a tf_keras OptimizerV2
+            traced in a graph an op.
 
         Raises:
             TypeError: If an argument is not one the wrapped optimizer's
                 `apply_gradients` takes.
         """
+        if self._self_core is not self:
+            return self._self_adapter.apply_gradients(
+                grads_and_vars, *args, **kwargs
+            )
         options = self._self_adapter.apply_options(*args, **kwargs)
         pairs = list(grads_and_vars)
         if pairs:
             grads, variables = zip(*pairs)
             self._apply(grads, variables, options)
-        return self._self_adapter.iterations
+        return self._self_adapter.apply_gradients_result()
 
     def minimize(self, loss: Any, var_list: Any, *args: Any, **kwargs: Any) -> Any:
         """Computes the gradients of `loss` and accumulates them.
@@ -261,6 +296,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 if `grads` does not match the built variables, or if every
                 gradient is `None`.
         """
+        if self._self_core is not self:
+            return self.__wrapped__.apply(grads, trainable_variables)
         self._apply(grads, trainable_variables, {})
 
     def _apply(
@@ -344,11 +381,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     def __repr__(self) -> str:
         position = "?"
-        if self._self_state is not None and tf.executing_eagerly():
-            position = str(int(self._self_state.micro_step.numpy()))
+        if tf.executing_eagerly():
+            position = str(int(self.micro_step.numpy()))
         return (
-            f"<AccumulatingOptimizer n={self._self_n} "
-            f"reduction={self._self_reduction!r} micro_step={position} "
+            f"<AccumulatingOptimizer n={self.n} "
+            f"reduction={self.reduction!r} micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
 

@@ -1,0 +1,440 @@
+"""Per-update features, execution modes and edge cases equal large batch."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradaccum import accumulate
+from tests.support import (
+    assert_states_close,
+    assert_states_equal,
+    fit,
+    fit_pair,
+    full_state,
+    make_data,
+    make_embedding_model,
+    make_mlp,
+)
+
+N, B, CYCLES = 3, 4, 3
+
+
+# ----------------------------------------------------------------------
+# Things the optimizer does once per update happen once per cycle.
+
+PER_UPDATE = {
+    "lr_schedule": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=1, decay_rate=0.5)
+    ),
+    "clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.05),
+    "clipvalue": lambda: keras.optimizers.Adam(1e-2, clipvalue=0.01),
+    "global_clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05),
+    "weight_decay_sgd": lambda: keras.optimizers.SGD(0.1, weight_decay=0.1),
+    "weight_decay_adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.5),
+    "ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_momentum=0.5),
+    "ema_overwrite": lambda: keras.optimizers.SGD(
+        0.1, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_UPDATE))
+def test_per_update_features_act_once_per_cycle(name):
+    ref, acc, _, _ = fit_pair(PER_UPDATE[name], n=N, micro_batch=B, cycles=CYCLES)
+    assert acc["iterations"] == CYCLES
+    assert_states_close(ref, acc)
+
+
+def test_learning_rate_schedule_sees_applied_updates():
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1, 2], [1e-2, 1e-3, 1e-4])
+    _, _, _, opt = fit_pair(lambda: keras.optimizers.SGD(schedule), n=N, cycles=CYCLES)
+    assert int(opt.iterations) == CYCLES
+    np.testing.assert_allclose(float(opt.learning_rate), 1e-4)
+
+
+def test_variable_constraints_apply_once_per_cycle():
+    def model():
+        return make_mlp(kernel_constraint=keras.constraints.MaxNorm(0.3))
+
+    ref, acc, _, _ = fit_pair(lambda: keras.optimizers.SGD(0.5), n=N, make_model=model)
+    assert_states_close(ref, acc)
+
+
+def _sparse_data(unique_per_cycle: bool, vocab: int = 40):
+    rng = np.random.default_rng(1)
+    if unique_per_cycle:
+        ids = [rng.permutation(vocab)[: B * N * 3] for _ in range(CYCLES)]
+        x = np.concatenate(ids).reshape(-1, 3).astype("int32")
+    else:
+        x = rng.integers(0, 8, size=(B * N * CYCLES, 3)).astype("int32")
+    y = rng.normal(size=(len(x), 2)).astype("float32")
+    return x, y
+
+
+def _embedding_model():
+    return make_embedding_model(vocab=40)
+
+
+def test_embedding_gradients_are_sparse():
+    x, y = _sparse_data(False)
+    model = _embedding_model()
+    grads = _grads(model, x[:B], y[:B])
+    assert isinstance(grads[0], tf.IndexedSlices)  # the case under test
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: keras.optimizers.Adam(1e-2),
+        lambda: keras.optimizers.Adagrad(0.1),
+        lambda: keras.optimizers.RMSprop(1e-2),
+    ],
+    ids=["adam", "adagrad", "rmsprop"],
+)
+def test_sparse_gradients_rows_unique_within_a_cycle(make):
+    """Non-linear optimizers: each embedding row occurs once per cycle.
+
+    Keras 3 squares the values of an `IndexedSlices` gradient before summing
+    repeated rows, so for Adam-like optimizers the large-batch result depends
+    on how often a row repeats; the accumulated gradient holds the summed
+    rows. With rows unique within a cycle the two agree exactly.
+    """
+    ref, acc, _, _ = fit_pair(make, n=N, make_model=_embedding_model, data=_sparse_data(True))
+    assert_states_close(ref, acc)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: keras.optimizers.SGD(0.5), lambda: keras.optimizers.SGD(0.5, momentum=0.9)],
+    ids=["sgd", "sgd_momentum"],
+)
+def test_sparse_gradients_with_repeated_rows(make):
+    """Optimizers linear in the gradient: repeated rows make no difference."""
+    ref, acc, _, _ = fit_pair(make, n=N, make_model=_embedding_model, data=_sparse_data(False))
+    assert_states_close(ref, acc)
+
+
+# ----------------------------------------------------------------------
+# Execution modes.
+
+COMPILE_MODES = {
+    "graph": {},
+    "run_eagerly": {"run_eagerly": True},
+    "jit_compile": {"jit_compile": True},
+    "steps_per_execution": {"steps_per_execution": 2},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(COMPILE_MODES))
+def test_fit_execution_modes(mode):
+    ref, acc, _, _ = fit_pair(
+        lambda: keras.optimizers.Adam(1e-2), n=N, **COMPILE_MODES[mode]
+    )
+    assert_states_close(ref, acc)
+
+
+def _reference_loop(make_opt, x, y, batch):
+    model = make_mlp()
+    opt = make_opt()
+    loss_fn = keras.losses.MeanSquaredError()
+    for start in range(0, len(x), batch):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[start : start + batch], model(x[start : start + batch]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return full_state(model, opt)
+
+
+LOOPS = {
+    "eager": lambda f: f,
+    "tf_function": tf.function,
+    "tf_function_jit": lambda f: tf.function(f, jit_compile=True),
+}
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+@pytest.mark.parametrize("entry", ["apply_gradients", "apply"])
+def test_custom_training_loops(loop, entry):
+    make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+    x, y = make_data(B * N * CYCLES)
+    ref = _reference_loop(make_opt, x, y, B * N)
+
+    model = make_mlp()
+    opt = accumulate(make_opt(), N)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        if entry == "apply":
+            opt.apply(grads, model.trainable_variables)
+        else:
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = LOOPS[loop](step)
+    for start in range(0, len(x), B):
+        step(x[start : start + B], y[start : start + B])
+    assert_states_close(ref, full_state(model, opt))
+
+
+# ----------------------------------------------------------------------
+# In-between micro-steps change nothing; n=1 is the plain optimizer.
+
+IN_BETWEEN = {
+    "adam_ema_wd": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1, use_ema=True),
+    "sgd_momentum_clip": lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.1),
+    "adafactor": lambda: keras.optimizers.Adafactor(1e-2),
+    "lion_schedule": lambda: keras.optimizers.Lion(
+        keras.optimizers.schedules.CosineDecay(1e-3, decay_steps=10)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IN_BETWEEN))
+def test_in_between_micro_steps_leave_all_state_bit_identical(name):
+    x, y = make_data(B * N * CYCLES)
+    model = make_mlp()
+    opt = accumulate(IN_BETWEEN[name](), N)
+    opt.build(model.trainable_variables)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for k, start in enumerate(range(0, len(x), B)):
+        before = full_state(model, opt)
+        step(x[start : start + B], y[start : start + B])
+        after = full_state(model, opt)
+        applied = (k + 1) % N == 0
+        assert int(opt.micro_step) == (k + 1) % N
+        if applied:
+            assert int(after["iterations"]) == int(before["iterations"]) + 1
+            assert not np.array_equal(
+                before["model/mlp/out/kernel"], after["model/mlp/out/kernel"]
+            )
+        else:
+            assert_states_equal(before, after)
+
+
+@pytest.mark.parametrize("loss_kind", ["dense", "sparse"])
+def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(loss_kind):
+    make_opt = lambda: keras.optimizers.Adam(1e-2, clipnorm=1.0)  # noqa: E731
+    if loss_kind == "dense":
+        x, y = make_data(B * CYCLES)
+        make_model = make_mlp
+    else:
+        rng = np.random.default_rng(3)
+        # No index repeats within a batch: a sparse update and its dense
+        # equivalent then add identical numbers.
+        x = np.stack([rng.permutation(40)[:12].reshape(4, 3) for _ in range(CYCLES)])
+        x = x.reshape(-1, 3).astype("int32")
+        y = rng.normal(size=(len(x), 2)).astype("float32")
+        make_model = _embedding_model
+    ref_model, ref_opt = make_model(), make_opt()
+    fit(ref_model, ref_opt, x, y, B)
+    model, opt = make_model(), accumulate(make_opt(), 1)
+    fit(model, opt, x, y, B)
+    ref, acc = full_state(ref_model, ref_opt), full_state(model, opt)
+    assert_states_equal(ref, acc)
+
+
+def test_sum_reduction_matches_sum_reduced_large_batch():
+    loss = keras.losses.MeanSquaredError(reduction="sum")
+    ref, acc, _, opt = fit_pair(
+        lambda: keras.optimizers.SGD(1e-3, momentum=0.5),
+        n=N,
+        loss=loss,
+        wrap=lambda o, n: accumulate(o, n, reduction="sum"),
+    )
+    assert opt.reduction == "sum"
+    assert_states_close(ref, acc)
+
+
+# ----------------------------------------------------------------------
+# None gradients.
+
+
+def test_none_gradients_count_as_zeros_and_are_still_applied():
+    """Micro-step k gives `out/bias` no gradient; the mean still applies.
+
+    Reference: the plain optimizer applied to the mean of the micro-batch
+    gradients, with zeros where a micro-step had none.
+    """
+    x, y = make_data(B * N * CYCLES)
+    make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+
+    def micro_grads(model, k, start):
+        grads = [g.numpy() for g in _grads(model, x[start : start + B], y[start : start + B])]
+        # None on the middle and on the last (apply) micro-step of each cycle.
+        missing = k % N in (1, N - 1)
+        return grads, missing
+
+    ref_model, ref_opt = make_mlp(), make_opt()
+    model, opt = make_mlp(), accumulate(make_opt(), N)
+    bias_index = [v.path for v in model.trainable_variables].index("mlp/out/bias")
+    k = 0
+    for cycle in range(CYCLES):
+        total = None
+        for j in range(N):
+            start = (cycle * N + j) * B
+            grads, missing = micro_grads(ref_model, k, start)
+            if missing:
+                grads[bias_index] = np.zeros_like(grads[bias_index])
+            total = grads if total is None else [t + g for t, g in zip(total, grads)]
+            sub_grads, missing = micro_grads(model, k, start)
+            sub = [tf.constant(g) for g in sub_grads]
+            if missing:
+                sub[bias_index] = None
+            opt.apply_gradients(zip(sub, model.trainable_variables))
+            k += 1
+        ref_opt.apply_gradients(
+            zip([tf.constant(t / N) for t in total], ref_model.trainable_variables)
+        )
+    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
+
+
+def _grads(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(x))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+# ----------------------------------------------------------------------
+# Building and wrapping.
+
+
+@pytest.mark.parametrize("when", ["before_wrap", "after_wrap", "by_fit"])
+def test_build_before_or_after_wrapping(when):
+    make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+    x, y = make_data(B * N * CYCLES)
+    ref_model, ref_opt = make_mlp(), make_opt()
+    fit(ref_model, ref_opt, x, y, B * N)
+
+    model, inner = make_mlp(), make_opt()
+    if when == "before_wrap":
+        inner.build(model.trainable_variables)
+    opt = accumulate(inner, N)
+    assert opt.built == (when == "before_wrap")
+    if when == "after_wrap":
+        opt.build(model.trainable_variables)
+        assert opt.built
+    fit(model, opt, x, y, B)
+    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
+
+
+def test_wrapping_a_trained_optimizer_keeps_its_state():
+    """Train plainly for 2 large batches, then continue accumulated."""
+    x, y = make_data(B * N * 4)
+    make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
+    ref_model, ref_opt = make_mlp(), make_opt()
+    fit(ref_model, ref_opt, x, y, B * N)
+
+    model, inner = make_mlp(), make_opt()
+    fit(model, inner, x[: 2 * B * N], y[: 2 * B * N], B * N)
+    opt = accumulate(inner, N)
+    assert int(opt.iterations) == 2
+    fit(model, opt, x[2 * B * N :], y[2 * B * N :], B)
+    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
+
+
+def test_decorator_for_a_class_and_a_factory():
+    AccAdam = accumulate(n=N)(keras.optimizers.Adam)
+    opt = AccAdam(1e-2)
+    assert opt.n == N and isinstance(opt, keras.optimizers.Adam)
+
+    @accumulate(n=2, reduction="sum")
+    def make():
+        return keras.optimizers.SGD(0.1)
+
+    opt2 = make()
+    assert (opt2.n, opt2.reduction) == (2, "sum")
+    assert make() is not opt2
+    ref, acc, _, _ = fit_pair(
+        lambda: keras.optimizers.Adam(1e-2), n=N, wrap=lambda o, n: accumulate(n=n)(lambda: o)()
+    )
+    assert_states_close(ref, acc)
+
+
+def test_proxy_is_the_wrapped_optimizer_to_other_code():
+    inner = keras.optimizers.Adam(1e-2)
+    opt = accumulate(inner, 4)
+    assert isinstance(opt, keras.optimizers.Optimizer)
+    assert isinstance(opt, keras.optimizers.Adam)
+    assert opt.__wrapped__ is inner
+    assert opt.get_config() == inner.get_config()
+    opt.learning_rate = 0.5
+    np.testing.assert_allclose(float(inner.learning_rate), 0.5)
+    assert opt.variables == inner.variables
+    assert opt.iterations is inner.iterations
+    assert int(opt.micro_step) == 0
+    assert "n=4" in repr(opt) and "Adam" in repr(opt)
+
+
+# ----------------------------------------------------------------------
+# Bad input.
+
+
+@pytest.mark.parametrize("bad_n", [0, -1, 2.0, "4", True, False, None])
+def test_bad_n(bad_n):
+    error = ValueError if isinstance(bad_n, int) and not isinstance(bad_n, bool) else TypeError
+    with pytest.raises(error, match="`n`|requires `n`"):
+        accumulate(keras.optimizers.SGD(), bad_n)
+
+
+def test_n_accepts_numpy_integers():
+    assert accumulate(keras.optimizers.SGD(), np.int64(3)).n == 3
+
+
+@pytest.mark.parametrize("bad", [object(), "adam", keras.optimizers.Adam, 4])
+def test_not_an_optimizer(bad):
+    with pytest.raises(TypeError, match="`optimizer` must be an optimizer instance"):
+        accumulate(bad, 2)
+
+
+def test_rejects_double_accumulation():
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        accumulate(keras.optimizers.Adam(gradient_accumulation_steps=2), 2)
+    with pytest.raises(ValueError, match="already an AccumulatingOptimizer"):
+        accumulate(accumulate(keras.optimizers.Adam(), 2), 2)
+
+
+def test_unknown_reduction():
+    with pytest.raises(ValueError, match="`reduction`"):
+        accumulate(keras.optimizers.Adam(), 2, reduction="avg")
+    with pytest.raises(ValueError, match="`reduction`"):
+        accumulate(n=2, reduction=None)
+
+
+def test_decorator_rejects_non_callables():
+    with pytest.raises(TypeError, match="decorates an optimizer class or factory"):
+        accumulate(n=2)(3)
+
+
+def test_gradient_for_unknown_variable():
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(), 2)
+    opt.build(model.trainable_variables)
+    stranger = keras.Variable(np.zeros((2,), "float32"), name="stranger")
+    with pytest.raises(ValueError, match="stranger.*not built for"):
+        opt.apply_gradients([(tf.zeros((2,)), stranger)])
+
+
+def test_all_gradients_none():
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(), 2)
+    with pytest.raises(ValueError, match="No gradients"):
+        opt.apply_gradients([(None, v) for v in model.trainable_variables])
+
+
+def test_gradient_count_mismatch():
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(), 2)
+    opt.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="Received 1 gradients"):
+        opt.apply([tf.zeros((3,))])
