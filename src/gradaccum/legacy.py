@@ -23,15 +23,41 @@ from typing import Any, Sequence
 
 import tensorflow as tf
 import tf_keras
+import wrapt
 from tf_keras.src.mixed_precision.autocast_variable import AutoCastVariable
 from tf_keras.src.optimizers.legacy import optimizer_v2
 
+from gradaccum import loss_scaling
 from gradaccum.adapters import _register
 
 _NewOptimizer = tf_keras.optimizers.Optimizer
 _OptimizerV2 = tf_keras.optimizers.legacy.Optimizer
 # Both loss-scale optimizers (around either family) subclass this one.
 _LossScaleOptimizers = tf_keras.mixed_precision.LossScaleOptimizer
+
+
+class _UncountedIterations(wrapt.ObjectProxy):
+    """`iterations` whose `assign_add` does nothing (see `_UncountedSkips`)."""
+
+    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        if read_value:
+            return self.__wrapped__.read_value()
+        return tf.no_op()
+
+
+class _UncountedSkips(wrapt.ObjectProxy):
+    """The accumulating core as a tf_keras loss-scale optimizer's inner one.
+
+    The only write a tf_keras loss-scale optimizer makes to its inner
+    optimizer is `inner.iterations.assign_add(1)` when it skips a step for
+    non-finite gradients. Seen through this proxy that write does nothing,
+    so a dropped micro-batch leaves `iterations` as it was; everything else
+    reaches the core.
+    """
+
+    @property
+    def iterations(self) -> Any:
+        return _UncountedIterations(self.__wrapped__.iterations)
 
 
 def _raw_variable(variable: Any) -> Any:
@@ -56,9 +82,9 @@ class _TfKerasAdapter:
 
     @classmethod
     def accepts(cls, optimizer: Any) -> bool:
-        return isinstance(optimizer, cls._base) and not isinstance(
-            optimizer, _LossScaleOptimizers
-        )
+        # A loss-scale optimizer belongs to the family it subclasses; the
+        # proxy accumulates on its inner optimizer (`gradaccum.loss_scaling`).
+        return isinstance(optimizer, cls._base)
 
     def check(self) -> None:
         """Raises if the optimizer cannot be wrapped."""
@@ -75,6 +101,9 @@ class _TfKerasAdapter:
 
     @property
     def iterations(self) -> Any:
+        return self.optimizer.iterations
+
+    def apply_gradients_result(self) -> Any:
         return self.optimizer.iterations
 
     def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -100,11 +129,24 @@ class _TfKerasAdapter:
             options[key] = value
         return options
 
-    def minimize(
-        self, proxy: Any, loss: Any, var_list: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        """The wrapped optimizer's `minimize`, applying through `proxy`."""
-        raise NotImplementedError
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        """A loss-scale optimizer's own `apply_gradients`.
+
+        A tf_keras loss-scale optimizer counts a step it skips for non-finite
+        gradients in its inner optimizer's `iterations`. Its inner optimizer
+        is the accumulating core, so that would count a dropped micro-batch
+        as an update; for the duration of this call it sees the core through
+        `_UncountedSkips` instead.
+        """
+        lso = self.optimizer
+        core = lso._optimizer
+        # Plain attribute writes: the loss-scale optimizer's checkpoint
+        # dependencies are its original inner optimizer's, set at creation.
+        object.__setattr__(lso, "_optimizer", _UncountedSkips(core))
+        try:
+            return lso.apply_gradients(grads_and_vars, *args, **kwargs)
+        finally:
+            object.__setattr__(lso, "_optimizer", core)
 
 
 class _TfKerasOptimizer(_TfKerasAdapter):
@@ -127,18 +169,20 @@ class _TfKerasOptimizer(_TfKerasAdapter):
                     f"{[_variable_name(v) for v in missing]}. Build a new "
                     "optimizer for a new set of variables."
                 )
+        elif self._build_scope is None:
+            opt.build(variables)
         else:
-            # As `apply_gradients` does: slots named after the optimizer, or
-            # after the `name` the first `apply_gradients` call passes.
-            scope = self._build_scope or opt.name or "optimizer"
-            with tf.name_scope(scope), tf.init_scope():
+            # Built by the first `apply_gradients`: as it does, in a name
+            # scope, which names the slots ("Adam/m/dense/kernel").
+            with tf.name_scope(self._build_scope), tf.init_scope():
                 opt.build(variables)
         self._variables = variables
 
     def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         options = super().apply_options(*args, **kwargs)
         if not self.built:
-            self._build_scope = options.get("name")
+            opt = self.optimizer
+            self._build_scope = options.get("name") or opt.name or "optimizer"
         return options
 
     def var_key(self, variable: Any) -> Any:
@@ -199,6 +243,13 @@ class _TfKerasOptimizerV2(_TfKerasAdapter):
     def var_key(self, variable: Any) -> Any:
         return optimizer_v2._var_key(variable)
 
+    def apply_gradients_result(self) -> Any:
+        # As `OptimizerV2.apply_gradients`: an op when traced (a loss-scale
+        # optimizer's `tf.cond` needs one from both branches).
+        if tf.executing_eagerly():
+            return self.optimizer.iterations
+        return tf.no_op()
+
     def state_variables(self) -> list[tf.Variable]:
         # `iterations`, hyperparameters and slots; `variables` is a method.
         return list(self.optimizer.variables())
@@ -231,3 +282,6 @@ class _TfKerasOptimizerV2(_TfKerasAdapter):
 
 _register(_TfKerasOptimizer)
 _register(_TfKerasOptimizerV2)
+# Both tf_keras loss-scale optimizers hold their inner optimizer in
+# `_optimizer` (`inner_optimizer` is a read-only property).
+loss_scaling._register(lambda o: isinstance(o, _LossScaleOptimizers), "_optimizer")
