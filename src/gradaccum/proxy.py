@@ -14,15 +14,11 @@ from gradaccum.adapters import _adapter_for, _families
 from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
 from gradaccum.loss_scaling import _inner_attribute, _install
 from gradaccum.masking import _masked_update
-
-
-class _AccumulationState(tf.Module):
-    """The variables the proxy owns: one accumulator per variable, a counter."""
-
-    def __init__(self, accumulators: list[tf.Variable], micro_step: tf.Variable):
-        super().__init__(name="gradient_accumulation")
-        self.accumulators = accumulators
-        self.micro_step = micro_step
+from gradaccum.serialization import (
+    _AccumulationState,
+    _Saveable,
+    _install_keras_serialization,
+)
 
 
 def _accumulator_dtype(variable: Any) -> tf.DType:
@@ -63,7 +59,7 @@ def _check_optimizer(optimizer: Any) -> Any:
     return adapter
 
 
-class AccumulatingOptimizer(wrapt.ObjectProxy):
+class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     """A Keras optimizer that applies one update every `n` micro-batches.
 
     The proxy is the wrapped optimizer to everyone else: `isinstance`,
@@ -102,8 +98,18 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         optimizer: keras.optimizers.Optimizer,
         n: int,
         reduction: str = "mean",
+        *,
+        _adopt: bool = False,
     ):
-        adapter = _check_optimizer(optimizer)
+        attribute = _inner_attribute(optimizer)
+        adopted = None
+        if _adopt and attribute is not None:
+            # Deserializing: the loss-scale optimizer's inner optimizer was
+            # saved as the accumulating one.
+            adopted = getattr(optimizer, attribute)
+            if not isinstance(adopted, AccumulatingOptimizer):
+                adopted = None
+        adapter = _adapter_for(optimizer) if adopted is not None else _check_optimizer(optimizer)
         n = _check_n(n)
         reduction = _check_reduction(reduction)
         super().__init__(optimizer)
@@ -113,7 +119,9 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         # Where the accumulation happens: this proxy, or for a loss-scale
         # optimizer an AccumulatingOptimizer installed as its inner optimizer.
         self._self_core: AccumulatingOptimizer = self
-        attribute = _inner_attribute(optimizer)
+        if adopted is not None:
+            self._self_core = adopted
+            return
         if attribute is not None:
             self._self_core = _install(
                 optimizer,
@@ -196,7 +204,10 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             micro_step = _mirrored_counter(0, name="micro_step")
         self._self_variables = variables
         self._self_index = {adapter.var_key(v): i for i, v in enumerate(variables)}
-        self._self_state = _AccumulationState(accumulators, micro_step)
+        self._self_state = _AccumulationState(
+            accumulators, micro_step, self._self_n, self._self_reduction
+        )
+        self._restore_deferred_state()
 
     def _indices_of(self, variables: Sequence[Any]) -> list[int]:
         var_key = self._self_adapter.var_key
@@ -447,3 +458,6 @@ def accumulate(
         return make
 
     return decorator
+
+
+_install_keras_serialization(AccumulatingOptimizer)
