@@ -29,6 +29,7 @@ from tf_keras.src.optimizers.legacy import optimizer_v2
 
 from gradaccum import loss_scaling
 from gradaccum.adapters import _register
+from gradaccum.distribution import _in_cross_replica
 
 _NewOptimizer = tf_keras.optimizers.Optimizer
 _OptimizerV2 = tf_keras.optimizers.legacy.Optimizer
@@ -245,10 +246,11 @@ class _TfKerasOptimizerV2(_TfKerasAdapter):
 
     def apply_gradients_result(self) -> Any:
         # As `OptimizerV2.apply_gradients`: an op when traced (a loss-scale
-        # optimizer's `tf.cond` needs one from both branches).
+        # optimizer's `tf.cond` needs one from both branches), made in
+        # cross-replica context so that every replica returns the same one.
         if tf.executing_eagerly():
             return self.optimizer.iterations
-        return tf.no_op()
+        return _in_cross_replica(self.strategy(), lambda strategy: tf.no_op())
 
     def state_variables(self) -> list[tf.Variable]:
         # `iterations`, hyperparameters and slots; `variables` is a method.

@@ -67,9 +67,20 @@ def optimizer_variables(optimizer: Any) -> list[tf.Variable]:
 
 
 def _key(name: str) -> str:
-    # "Adam/m/hidden0/kernel:0" -> "Adam/m/hidden0/kernel"; drop the
-    # process-wide uniquifying suffix of unnamed variables ("Variable_3").
-    return re.sub(r"_\d+$", "", name.split(":")[0])
+    """A variable's name without what differs between equivalent runs.
+
+    Slot names start with the name scopes they were created in, which depend
+    on the code path that built the optimizer ("Adam/m/hidden0/kernel" from
+    `apply_gradients`, "m/hidden0/kernel" from `build`, "cond_1/Adam/iter"
+    inside a loss-scale optimizer's `tf.cond`): leading scopes that are an
+    optimizer's default name (capitalised; the test models' layer names are
+    not) or a `cond` are dropped. So is the process-wide uniquifying suffix
+    of unnamed variables ("Variable_3").
+    """
+    parts = name.split(":")[0].split("/")
+    while len(parts) > 1 and re.fullmatch(r"[A-Z]\w*|cond(_\d+)?", parts[0]):
+        parts = parts[1:]
+    return re.sub(r"_\d+$", "", "/".join(parts))
 
 
 def full_state(model: tf_keras.Model, optimizer: Any) -> dict[str, np.ndarray]:

@@ -64,6 +64,21 @@ def _apply_step(model, opt, x, y):
     opt.apply_gradients(zip(mse_grads(model, x, y), model.trainable_variables))
 
 
+def _traced_per_model(fn, jit_compile=False):
+    """`fn(model, opt, x, y)` as one tf.function per (model, optimizer)."""
+    cache = {}
+
+    def call(model, opt, x, y):
+        key = (id(model), id(opt))
+        if key not in cache:
+            cache[key] = tf.function(
+                lambda x, y: fn(model, opt, x, y), jit_compile=jit_compile
+            )
+        cache[key](tf.constant(x), tf.constant(y))
+
+    return call
+
+
 @pytest.mark.parametrize("make", ALL)
 def test_eager_loop_matches_large_batch(make):
     ref, acc, in_between = _custom_loop_pair(make, 3, _apply_step)
@@ -85,19 +100,7 @@ def test_eager_loop_matches_large_batch(make):
 )
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_tf_function_loop_matches_large_batch(make, jit_compile):
-    steps = {}
-
-    def step(model, opt, x, y):
-        # One traced function per optimizer, as a training script has.
-        if id(opt) not in steps:
-
-            @tf.function(jit_compile=jit_compile)
-            def traced(x, y):
-                _apply_step(model, opt, x, y)
-
-            steps[id(opt)] = traced
-        steps[id(opt)](tf.constant(x), tf.constant(y))
-
+    step = _traced_per_model(_apply_step, jit_compile=jit_compile)
     ref, acc, in_between = _custom_loop_pair(make, 3, step)
     assert acc["iterations"] == 3
     assert_states_close(ref, acc)
@@ -119,26 +122,13 @@ def test_minimize_with_tape_and_with_callable_loss(make, traced):
         opt.minimize(lambda: loss_fn(y, model(x, training=True)), model.trainable_variables)
 
     for step in (tape_step, callable_step):
-        run = tf.function(step) if traced else step
-        # A fresh tf.function per call of `run` would retrace; wrap per pair.
-        ref, acc, in_between = _custom_loop_pair(make, 3, _per_model(run) if traced else run)
+        ref, acc, in_between = _custom_loop_pair(
+            make, 3, _traced_per_model(step) if traced else step
+        )
         assert acc["iterations"] == 3
         assert_states_close(ref, acc)
         for before, after in in_between:
             assert_states_equal(before, after)
-
-
-def _per_model(fn):
-    """`fn(model, opt, x, y)` traced once per (model, opt) pair."""
-    cache = {}
-
-    def call(model, opt, x, y):
-        key = (id(model), id(opt))
-        if key not in cache:
-            cache[key] = tf.function(lambda x, y: fn.python_function(model, opt, x, y))
-        cache[key](tf.constant(x), tf.constant(y))
-
-    return call
 
 
 @pytest.mark.parametrize("make", BOTH_ADAM)
