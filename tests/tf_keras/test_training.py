@@ -249,3 +249,35 @@ def test_wrapping_a_trained_optimizer_keeps_its_state(make):
         _apply_step(model, acc, xb, yb)
     assert int(acc.iterations.numpy()) == 4
     assert_states_close(full_state(ref_model, ref_opt), full_state(model, acc))
+
+
+def _xla_update(make):
+    """The optimizer as on a GPU: tf_keras turns `jit_compile` off without one."""
+
+    def make_xla():
+        opt = make()
+        opt.jit_compile = True  # updates run in `_update_step_xla`
+        return opt
+
+    return make_xla
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: new.Adam(1e-2), id="adam"),
+        pytest.param(lambda: new.Nadam(1e-2), id="nadam"),
+        pytest.param(lambda: new.AdamW(1e-2, weight_decay=0.05, use_ema=True), id="adamw_ema"),
+    ],
+)
+@pytest.mark.parametrize("loop", ["fit", "eager"])
+def test_xla_compiled_update_step(make, loop):
+    if loop == "fit":
+        ref, acc, _, _ = fit_pair(_xla_update(make), n=3)
+        in_between = []
+    else:
+        ref, acc, in_between = _custom_loop_pair(_xla_update(make), 3, _apply_step)
+    assert acc["iterations"] == 3
+    assert_states_close(ref, acc)
+    for before, after in in_between:
+        assert_states_equal(before, after)
