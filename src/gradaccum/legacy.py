@@ -40,7 +40,13 @@ _LossScaleOptimizers = tf_keras.mixed_precision.LossScaleOptimizer
 class _UncountedIterations(wrapt.ObjectProxy):
     """`iterations` whose `assign_add` does nothing (see `_UncountedSkips`)."""
 
-    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+    def assign_add(
+        self,
+        delta: Any,
+        use_locking: Any = None,
+        name: Any = None,
+        read_value: bool = True,
+    ) -> Any:
         if read_value:
             return self.__wrapped__.read_value()
         return tf.no_op()

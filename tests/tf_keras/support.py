@@ -15,7 +15,13 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tests.support import ATOL, RTOL, assert_states_close, assert_states_equal, make_data
+from tests.support import (
+    ATOL,
+    RTOL,
+    assert_states_close,
+    assert_states_equal,
+    make_data,
+)
 
 __all__ = [
     "ATOL",
@@ -51,7 +57,9 @@ def make_mlp(
     return tf_keras.Sequential(layers, name="mlp")
 
 
-def make_embedding_model(vocab: int = 20, dim: int = 4, seed: int = 0) -> tf_keras.Model:
+def make_embedding_model(
+    vocab: int = 20, dim: int = 4, seed: int = 0
+) -> tf_keras.Model:
     tf_keras.utils.set_random_seed(seed)
     inputs = tf_keras.Input((3,), dtype="int32")
     h = tf_keras.layers.Embedding(vocab, dim, name="emb")(inputs)

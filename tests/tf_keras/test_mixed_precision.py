@@ -48,7 +48,9 @@ def policy(name):
 
 def _core(opt):
     """The AccumulatingOptimizer that holds the accumulators."""
-    return opt._self_core if isinstance(opt, AccumulatingOptimizer) else opt.inner_optimizer
+    if isinstance(opt, AccumulatingOptimizer):
+        return opt._self_core
+    return opt.inner_optimizer
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -63,7 +65,10 @@ def test_fit_equals_large_batch_mixed_float16(kind, order):
         fit(ref_model, ref_opt, x, y, B * N)
         model = make_mlp()
         # compile wraps a plain optimizer in a LossScaleOptimizer itself.
-        opt = accumulate(make(), N) if order == "compile_auto_wrap" else WRAPS[order](make)
+        if order == "compile_auto_wrap":
+            opt = accumulate(make(), N)
+        else:
+            opt = WRAPS[order](make)
         fit(model, opt, x, y, B)
     assert isinstance(model.optimizer, LSO)
     # No micro-batch overflowed: the scale is where the reference's is.
@@ -93,7 +98,10 @@ def _loop(opt, model, traced):
     step = lambda x, y, poison: _scaled_step(model, opt, x, y, poison)  # noqa: E731
     if traced:
         step = tf.function(step)
-    return lambda x, y, poison=False: step(tf.constant(x), tf.constant(y), tf.constant(poison))
+    def call(x, y, poison=False):
+        step(tf.constant(x), tf.constant(y), tf.constant(poison))
+
+    return call
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -161,7 +169,8 @@ def _run_with_bad_micro_batch(kind, order, traced, bad=4, counted=False):
         if k == bad:
             around = (before, full_state(model, opt))
         micro_steps.append(int(_core(opt).micro_step))
-    return full_state(ref_model, ref_opt), opt, full_state(model, opt), around, micro_steps
+    ref = full_state(ref_model, ref_opt)
+    return ref, opt, full_state(model, opt), around, micro_steps
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -220,7 +229,8 @@ def test_proxy_is_still_the_loss_scale_optimizer(kind):
     (g,) = opt.get_unscaled_gradients([tf.constant(64.0)])
     np.testing.assert_allclose(float(g), 1.0)
     opt.learning_rate = 0.25
-    np.testing.assert_allclose(float(tf.keras.backend.get_value(inner.learning_rate)), 0.25)
+    lr = tf_keras.backend.get_value(inner.learning_rate)
+    np.testing.assert_allclose(float(lr), 0.25)
     assert opt.iterations is inner.iterations
     with pytest.raises(ValueError, match="accumulate twice"):
         accumulate(lso, 2)

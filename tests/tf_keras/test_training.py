@@ -39,7 +39,9 @@ def _batches(x, y, size):
     return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
 
 
-def _custom_loop_pair(make_optimizer, n, step, micro_batch=4, cycles=3, make_model=make_mlp, data=None):
+def _custom_loop_pair(
+    make_optimizer, n, step, micro_batch=4, cycles=3, make_model=make_mlp, data=None
+):
     """Reference and subject trained by `step(model, opt, x, y)` per batch.
 
     Returns `(reference_state, subject_state, in_between)`, where
@@ -95,7 +97,9 @@ def test_eager_loop_matches_large_batch(make):
     + [
         pytest.param(lambda: new.Nadam(1e-2), id="nadam"),
         pytest.param(lambda: legacy.Nadam(1e-2), id="legacy_nadam"),
-        pytest.param(lambda: new.AdamW(1e-2, weight_decay=0.05, use_ema=True), id="adamw_ema"),
+        pytest.param(
+            lambda: new.AdamW(1e-2, weight_decay=0.05, use_ema=True), id="adamw_ema"
+        ),
     ],
 )
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
@@ -119,7 +123,8 @@ def test_minimize_with_tape_and_with_callable_loss(make, traced):
         opt.minimize(loss, model.trainable_variables, tape=tape)
 
     def callable_step(model, opt, x, y):
-        opt.minimize(lambda: loss_fn(y, model(x, training=True)), model.trainable_variables)
+        loss = lambda: loss_fn(y, model(x, training=True))  # noqa: E731
+        opt.minimize(loss, model.trainable_variables)
 
     for step in (tape_step, callable_step):
         ref, acc, in_between = _custom_loop_pair(
@@ -148,7 +153,9 @@ def test_fit_modes(make, compile_kwargs):
     assert_states_close(ref, acc)
 
 
-schedule = lambda: new.schedules.ExponentialDecay(1e-2, decay_steps=1, decay_rate=0.5)  # noqa: E731
+def schedule():
+    return new.schedules.ExponentialDecay(1e-2, decay_steps=1, decay_rate=0.5)
+
 
 FEATURES = {
     "clipnorm": lambda: new.SGD(0.1, clipnorm=0.05),
@@ -220,7 +227,13 @@ def _sparse_step(model, opt, x, y):
         (lambda: legacy.Adam(1e-2), {"experimental_aggregate_gradients": False}),
         (lambda: legacy.Adam(1e-2), {"name": "update"}),
     ],
-    ids=["skip_aggregation", "no_aggregation", "name", "legacy_no_aggregation", "legacy_name"],
+    ids=[
+        "skip_aggregation",
+        "no_aggregation",
+        "name",
+        "legacy_no_aggregation",
+        "legacy_name",
+    ],
 )
 def test_apply_gradients_takes_the_tf_keras_arguments(make, kwargs):
     def step(model, opt, x, y):
@@ -267,7 +280,9 @@ def _xla_update(make):
     [
         pytest.param(lambda: new.Adam(1e-2), id="adam"),
         pytest.param(lambda: new.Nadam(1e-2), id="nadam"),
-        pytest.param(lambda: new.AdamW(1e-2, weight_decay=0.05, use_ema=True), id="adamw_ema"),
+        pytest.param(
+            lambda: new.AdamW(1e-2, weight_decay=0.05, use_ema=True), id="adamw_ema"
+        ),
     ],
 )
 @pytest.mark.parametrize("loop", ["fit", "eager"])
