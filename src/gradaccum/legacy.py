@@ -113,28 +113,17 @@ class _TfKerasAdapter:
     def apply_gradients_result(self) -> Any:
         return self.optimizer.iterations
 
-    def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """The extra `apply_gradients` arguments, by name, checked."""
+    def apply_options(self, **kwargs: Any) -> dict[str, Any]:
+        """The extra `apply_gradients` keyword arguments, checked."""
         names = self._apply_options
-        if len(args) > len(names):
-            raise TypeError(
-                f"apply_gradients() takes at most {len(names) + 1} positional "
-                f"arguments ({len(args) + 1} given)."
-            )
-        options = dict(zip(names, args))
-        for key, value in kwargs.items():
+        for key in kwargs:
             if key not in names:
                 raise TypeError(
                     f"apply_gradients() got an unexpected keyword argument "
                     f"{key!r}; a {self.family} optimizer takes "
                     f"{', '.join(f'`{n}`' for n in names)}."
                 )
-            if key in options:
-                raise TypeError(
-                    f"apply_gradients() got multiple values for argument {key!r}."
-                )
-            options[key] = value
-        return options
+        return dict(kwargs)
 
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         """A loss-scale optimizer's own `apply_gradients`.
@@ -185,8 +174,8 @@ class _TfKerasOptimizer(_TfKerasAdapter):
                 opt.build(variables)
         self._variables = variables
 
-    def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        options = super().apply_options(*args, **kwargs)
+    def apply_options(self, **kwargs: Any) -> dict[str, Any]:
+        options = super().apply_options(**kwargs)
         if not self.built:
             opt = self.optimizer
             self._build_scope = options.get("name") or opt.name or "optimizer"

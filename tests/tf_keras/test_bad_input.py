@@ -49,8 +49,9 @@ def test_unknown_apply_gradients_argument(make):
     pairs = list(zip(mse_grads(model, x, y), model.trainable_variables))
     with pytest.raises(TypeError, match="'experimental_agregate_gradients'"):
         opt.apply_gradients(pairs, experimental_agregate_gradients=False)
-    with pytest.raises(TypeError, match="positional"):
-        opt.apply_gradients(pairs, "name", False, True, "extra")
+    # The second positional argument is gradaccum's `weight`, not `name`.
+    with pytest.raises(TypeError, match="`weight`"):
+        opt.apply_gradients(pairs, "update")
     # Nothing was accumulated by the rejected calls.
     assert int(opt.micro_step) == 0
 
