@@ -296,3 +296,22 @@ def test_xla_compiled_update_step(make, loop):
     assert_states_close(ref, acc)
     for before, after in in_between:
         assert_states_equal(before, after)
+
+
+@pytest.mark.parametrize("make", BOTH_ADAM)
+def test_weighted_ragged_micro_batches_and_flush(make):
+    """Sizes 4, 2, 6 weighted by size make one large batch of 12; `flush()`
+    applies a partial cycle as a large batch of what it holds."""
+    x, y = make_data(12 * 2 + 5)
+    ref_model, ref_opt = make_mlp(), make()
+    for lo, hi in ((0, 12), (12, 24), (24, 29)):
+        _apply_step(ref_model, ref_opt, x[lo:hi], y[lo:hi])
+    model, opt = make_mlp(), accumulate(make(), 3)
+    bounds = [0, 4, 6, 12, 16, 18, 24, 27, 29]
+    for lo, hi in zip(bounds, bounds[1:]):
+        grads = mse_grads(model, x[lo:hi], y[lo:hi])
+        opt.apply_gradients(zip(grads, model.trainable_variables), weight=hi - lo)
+    assert int(opt.iterations.numpy()) == 2 and int(opt.micro_step) == 2
+    opt.flush()
+    assert int(opt.micro_step) == 0
+    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
