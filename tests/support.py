@@ -159,3 +159,17 @@ def mse_grads(model: keras.Model, x, y, loss_fn=None):
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
     return tape.gradient(loss, model.trainable_variables)
+
+
+_MIRRORED: list[tf.distribute.MirroredStrategy] = []
+
+
+def mirrored() -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy over the two logical CPUs, shared by all tests.
+
+    Several MirroredStrategy objects in one process hand out the same
+    collective instance keys, so their all-reduces can meet each other.
+    """
+    if not _MIRRORED:
+        _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _MIRRORED[0]

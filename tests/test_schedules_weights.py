@@ -12,7 +12,14 @@ import tensorflow as tf
 
 import gradaccum
 from gradaccum import accumulate
-from tests.support import assert_states_close, assert_states_equal, full_state, make_data, make_mlp
+from tests.support import (
+    assert_states_close,
+    assert_states_equal,
+    full_state,
+    make_data,
+    make_mlp,
+    mirrored,
+)
 
 B = 4
 
@@ -319,7 +326,7 @@ def test_weighted_ragged_micro_batches_under_mirrored_strategy(flush):
     mean by the replica count itself. Reference: one device, the
     concatenation.
     """
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored()
     sizes = [(4, 2), (3, 3), (1, 4), (2, 2), (4, 1)]  # (replica 0, replica 1)
     flat = _micro_batches([s for pair in sizes for s in pair])
     pairs = [flat[2 * k : 2 * k + 2] for k in range(len(sizes))]

@@ -163,9 +163,11 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         """Micro-batches per applied update: an int, or the schedule given.
 
         Set it to an int between cycles (`opt.n = 8`); the change needs no
-        retracing. Set mid-cycle, the current cycle ends on the first
-        micro-step at which it holds at least the new `n` micro-batches, and
-        applies the mean over all of them.
+        retracing, except to or from `n=1`: with `n=1` gradients go straight
+        to the wrapped optimizer, and a `tf.function` traced then keeps doing
+        so, so trace it anew after such a change. Set mid-cycle, the current
+        cycle ends on the first micro-step at which it holds at least the new
+        `n` micro-batches, and applies the mean over all of them.
 
         Raises:
             TypeError/ValueError: When set to anything but an int >= 1, or
@@ -435,6 +437,15 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 "No gradients provided for any variable (every gradient is "
                 "None)."
             )
+        if self._self_n == 1 and weight is None and not self._self_seen:
+            # Every micro-batch is a whole batch: hand the gradients over as
+            # they are. Accumulating first would densify `IndexedSlices`
+            # (summing repeated rows, which Keras applies one by one) and give
+            # variables without a gradient zeros instead of skipping them.
+            # (Once anything was accumulated, with another `n` set before,
+            # the accumulating path below finishes that cycle instead.)
+            self._self_adapter.apply(grads, trainable_variables)
+            return
         self._accumulate(grads, indices, weight)
         state = self._self_state
         count = state.micro_step.read_value() + 1
@@ -501,6 +512,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         adapter = self._self_adapter
         state = self._self_state
         included = sorted(self._self_seen)
+        self._check_left_out(keep_new, included)
         accumulated = [state.accumulators[i].read_value() for i in included]
         variables = [self._self_variables[i] for i in included]
         divisor = self._mean_divisor()
@@ -522,6 +534,39 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         total = state.weight_total.read_value()
         state.weight_total.assign(tf.where(keep_new, tf.zeros_like(total), total))
         state.micro_step.assign(tf.where(keep_new, tf.zeros_like(count), count))
+
+    def _check_left_out(self, keep_new: tf.Tensor, included: list[int]) -> None:
+        """Refuses to drop gradients a traced step cannot see.
+
+        Which variables take part in an update is decided while a step is
+        traced, from the variables that have received gradients so far. A
+        `tf.function` traced before some variable first received a gradient
+        (for example one trace per task in multi-task training) leaves it out;
+        if it then runs an apply step while that variable has accumulated
+        gradients, they would be neither applied nor cleared. That raises
+        instead. Eager steps always see every variable.
+        """
+        if tf.executing_eagerly():
+            return
+        left_out = [i for i in range(len(self._self_variables)) if i not in self._self_seen]
+        if not left_out:
+            return
+        accumulators = self._self_state.accumulators
+        pending = tf.reduce_any(
+            tf.stack([tf.reduce_any(tf.not_equal(accumulators[i], 0)) for i in left_out])
+        )
+        names = [getattr(self._self_variables[i], "path", str(i)) for i in left_out]
+        tf.debugging.Assert(
+            tf.logical_not(tf.logical_and(keep_new, pending)),
+            [
+                "gradaccum: this traced step was traced before variables "
+                f"{names} first received gradients, and leaves them out of the "
+                "update, but they hold accumulated gradients now. Trace every "
+                "step after each variable has received a gradient once (for "
+                "example run one step per task eagerly first), or trace this "
+                "step anew (a new tf.function)."
+            ],
+        )
 
     def _mean_divisor(self) -> tf.Tensor | None:
         """What the accumulated sum is divided by (None for `"sum"`).
