@@ -444,7 +444,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             # variables without a gradient zeros instead of skipping them.
             # (Once anything was accumulated, with another `n` set before,
             # the accumulating path below finishes that cycle instead.)
-            self._self_adapter.apply(grads, trainable_variables)
+            self._self_adapter.apply(
+                grads, trainable_variables, **self._self_apply_options
+            )
             return
         self._accumulate(grads, indices, weight)
         state = self._self_state

@@ -315,3 +315,22 @@ def test_weighted_ragged_micro_batches_and_flush(make):
     opt.flush()
     assert int(opt.micro_step) == 0
     assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
+
+
+@pytest.mark.parametrize(
+    "make, kwargs",
+    [
+        (lambda: new.Adam(1e-2), {"name": "update"}),
+        (lambda: legacy.Adam(1e-2), {"experimental_aggregate_gradients": False}),
+    ],
+    ids=["name", "legacy_no_aggregation"],
+)
+def test_n_1_is_the_plain_optimizer_bit_for_bit(make, kwargs):
+    x, y = make_data(12)
+    ref_model, ref_opt = make_mlp(), make()
+    model, opt = make_mlp(), accumulate(make(), 1)
+    for xb, yb in _batches(x, y, 4):
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            grads = mse_grads(m, xb, yb)
+            o.apply_gradients(zip(grads, m.trainable_variables), **kwargs)
+    assert_states_equal(full_state(ref_model, ref_opt), full_state(model, opt))
