@@ -113,6 +113,16 @@ class _TfKerasAdapter:
     def apply_gradients_result(self) -> Any:
         return self.optimizer.iterations
 
+    def apply_accumulated(
+        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
+    ) -> None:
+        """`apply` for accumulated gradients.
+
+        Both tf_keras families all-reduce before they clip, so under several
+        replicas they clip the summed gradient, as one device would.
+        """
+        self.apply(grads, variables, **options)
+
     def apply_options(self, **kwargs: Any) -> dict[str, Any]:
         """The extra `apply_gradients` keyword arguments, checked."""
         names = self._apply_options

@@ -16,7 +16,12 @@ from gradaccum._validation import (
     _check_weight,
 )
 from gradaccum.adapters import _adapter_for, _families
-from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
+from gradaccum.distribution import (
+    _creation_scope,
+    _local_copy,
+    _mirrored_counter,
+    _replica_local,
+)
 from gradaccum.loss_scaling import _inner_attribute, _install
 from gradaccum.masking import _masked_update
 from gradaccum.serialization import (
@@ -502,7 +507,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             if isinstance(g, tf.IndexedSlices):
                 values = tf.cast(g.values, acc.dtype)
                 values = values if w is None else values * w
-                acc.scatter_add(tf.IndexedSlices(values, g.indices, g.dense_shape))
+                _local_copy(acc).scatter_add(
+                    tf.IndexedSlices(values, g.indices, g.dense_shape)
+                )
             else:
                 g = tf.cast(g, acc.dtype)
                 acc.assign_add(g if w is None else g * w)
@@ -529,7 +536,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             adapter.strategy(),
             keep_new,
             tracked,
-            lambda: adapter.apply(update_grads, variables, **options),
+            lambda: adapter.apply_accumulated(update_grads, variables, **options),
         )
         for i, a in zip(included, accumulated):
             state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))
