@@ -26,6 +26,13 @@ MAKERS = {
     "legacy": lambda: tf_keras.optimizers.legacy.Adam(1e-2),
     "lso_new": lambda: LSO(tf_keras.optimizers.Adam(1e-2)),
     "lso_legacy": lambda: LSO(tf_keras.optimizers.legacy.Adam(1e-2)),
+    # Both families all-reduce before clipping: they clip the summed gradient.
+    "new_global_clipnorm": lambda: tf_keras.optimizers.Adam(1e-2, global_clipnorm=0.05),
+    "new_clipnorm": lambda: tf_keras.optimizers.SGD(0.1, clipnorm=0.05),
+    "legacy_global_clipnorm": lambda: tf_keras.optimizers.legacy.Adam(
+        1e-2, global_clipnorm=0.05
+    ),
+    "legacy_clipvalue": lambda: tf_keras.optimizers.legacy.SGD(0.1, clipvalue=0.01),
 }
 
 
