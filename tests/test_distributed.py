@@ -33,6 +33,7 @@ from tests.support import (
     make_data,
     make_embedding_model,
     make_mlp,
+    mirrored,
     mse_grads,
 )
 
@@ -60,7 +61,7 @@ OPTIMIZERS = {
 
 @pytest.fixture(scope="module")
 def strategy():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored()
     assert strategy.num_replicas_in_sync == 2
     return strategy
 
