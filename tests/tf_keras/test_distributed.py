@@ -18,6 +18,7 @@ from tests.tf_keras.support import (
     make_data,
     make_mlp,
 )
+from tests.support import mirrored
 
 N, B, CYCLES = 3, 8, 3
 LSO = tf_keras.mixed_precision.LossScaleOptimizer
@@ -37,7 +38,10 @@ MAKERS = {
 
 
 def _strategy():
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # One strategy per process (see `tests.support.mirrored`).
+    strategy = mirrored()
+    assert strategy.num_replicas_in_sync == 2
+    return strategy
 
 
 @pytest.mark.parametrize("name", sorted(MAKERS))
