@@ -8,6 +8,7 @@ update, which variables hold its state, and how does it apply gradients.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import keras
@@ -71,8 +72,22 @@ class _Keras3Optimizer:
         strategy = getattr(self.optimizer, "_distribution_strategy", None)
         return strategy if strategy is not None else tf.distribute.get_strategy()
 
+    def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Extra `apply_gradients` arguments: a Keras 3 optimizer takes none."""
+        if args or kwargs:
+            raise TypeError(
+                "apply_gradients() of a Keras 3 optimizer takes only "
+                "`grads_and_vars`. Received extra arguments: "
+                f"{list(args) + sorted(kwargs)}."
+            )
+        return {}
+
     def apply(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         self.optimizer.apply(list(grads), list(variables))
+
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's own `apply_gradients` (a loss-scale one's)."""
+        return self.optimizer.apply_gradients(grads_and_vars, *args, **kwargs)
 
     def apply_accumulated(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         """`apply` for accumulated (dense, per-replica) gradients.
@@ -114,6 +129,10 @@ class _Keras3Optimizer:
     def iterations(self) -> Any:
         return self.optimizer.iterations
 
+    def apply_gradients_result(self) -> Any:
+        """What `apply_gradients` returns: the optimizer's `iterations`."""
+        return self.optimizer.iterations
+
 
 _ADAPTERS: list[type] = [_Keras3Optimizer]
 
@@ -124,7 +143,18 @@ def _register(adapter: type) -> None:
         _ADAPTERS.append(adapter)
 
 
+def _load_optional_families() -> None:
+    """Registers the adapters of optimizer families already imported.
+
+    `tf_keras` is imported only by its users; its adapters are loaded once it
+    is, so `import gradaccum` never imports it.
+    """
+    if "tf_keras" in sys.modules:
+        import gradaccum.legacy  # noqa: F401  (registers its adapters)
+
+
 def _adapter_for(optimizer: Any) -> Any | None:
+    _load_optional_families()
     for adapter in _ADAPTERS:
         if adapter.accepts(optimizer):
             return adapter(optimizer)
@@ -132,5 +162,6 @@ def _adapter_for(optimizer: Any) -> Any | None:
 
 
 def _families() -> str:
+    _load_optional_families()
     return ", ".join(a.family for a in _ADAPTERS)
 

@@ -155,6 +155,8 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         self._self_weighted = False
         # A weight handed over by an outer loss-scale proxy for the next call.
         self._self_pending_weight: Any = None
+        # Extra `apply_gradients` arguments of the latest call (tf_keras).
+        self._self_apply_options: dict[str, Any] = {}
         if adapter.built:
             self._build_state(adapter.trainable_variables())
 
@@ -214,7 +216,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     @property
     def built(self) -> bool:
         if self._self_core is not self:
-            return bool(self.__wrapped__.built)
+            return self._self_core.built
         return self._self_adapter.built and self._self_state is not None
 
     @built.setter
@@ -244,7 +246,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             variables: The trainable variables the optimizer will update.
         """
         if self._self_core is not self:
-            self.__wrapped__.build(list(variables))
+            # The wrapper's own `build` if it has one (a tf_keras
+            # OptimizerV2 has none): it builds the core and its own state.
+            build = getattr(self.__wrapped__, "build", None) or self._self_core.build
+            build(list(variables))
             return
         adapter = self._self_adapter
         if not adapter.built:
@@ -299,7 +304,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     # Applying.
 
     def apply_gradients(
-        self, grads_and_vars: Iterable[tuple[Any, Any]], weight: Any = None
+        self,
+        grads_and_vars: Iterable[tuple[Any, Any]],
+        weight: Any = None,
+        **kwargs: Any,
     ) -> Any:
         """Accumulates one micro-batch of gradients; applies every `n`-th.
 
@@ -310,20 +318,60 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 scalar tensor), for example its sample or token count. The
                 update applies `sum(w_i * g_i) / sum(w_i)` (`"mean"`) or
                 `sum(w_i * g_i)` (`"sum"`); omitted, every micro-batch weighs 1.
+            **kwargs: Further keyword arguments of the wrapped optimizer's
+                `apply_gradients` (a tf_keras optimizer's `name`,
+                `skip_gradients_aggregation`,
+                `experimental_aggregate_gradients`), passed to it on the
+                applied update. A Keras 3 optimizer takes none.
 
         Returns:
-            The wrapped optimizer's `iterations` (applied updates).
+            What the wrapped optimizer's `apply_gradients` returns: its
+            `iterations` (applied updates), or for a tf_keras OptimizerV2
+            traced in a graph an op.
 
         Raises:
-            TypeError/ValueError: See `apply()`.
+            TypeError: If a keyword argument is not one the wrapped
+                optimizer's `apply_gradients` takes; see also `apply()`.
+            ValueError: See `apply()`.
         """
         if self._self_core is not self:
-            return self._through_wrapper(weight, self.__wrapped__.apply_gradients, grads_and_vars)
+            return self._through_wrapper(
+                weight, self._self_adapter.apply_gradients, grads_and_vars, **kwargs
+            )
+        options = self._self_adapter.apply_options(**kwargs)
         pairs = list(grads_and_vars)
         if pairs:
             grads, variables = zip(*pairs)
-            self.apply(grads, variables, weight=weight)
-        return self._self_adapter.iterations
+            self._apply(grads, variables, weight, options)
+        return self._self_adapter.apply_gradients_result()
+
+    def minimize(self, loss: Any, var_list: Any, *args: Any, **kwargs: Any) -> Any:
+        """Computes the gradients of `loss` and accumulates them.
+
+        The `minimize` of a tf_keras optimizer (which its `Model.fit` calls),
+        with the gradients going through this optimizer's `apply_gradients`.
+
+        Args:
+            loss: The loss tensor (with `tape`) or a callable returning it.
+            var_list: The variables to minimize `loss` for.
+            *args: The wrapped optimizer's further `minimize` arguments
+                (`tape`, ...).
+            **kwargs: The same, by name.
+
+        Returns:
+            What the wrapped optimizer's `minimize` returns.
+
+        Raises:
+            AttributeError: If the wrapped optimizer has no `minimize`
+                (Keras 3).
+        """
+        minimize = getattr(self._self_adapter, "minimize", None)
+        if minimize is None:
+            raise AttributeError(
+                f"{type(self.__wrapped__).__name__!r} object has no attribute "
+                "'minimize'"
+            )
+        return minimize(self, loss, var_list, *args, **kwargs)
 
     def apply(
         self,
@@ -349,6 +397,18 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             return self._through_wrapper(
                 weight, self.__wrapped__.apply, grads, trainable_variables
             )
+        self._apply(grads, trainable_variables, weight, {})
+
+    def _apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None,
+        weight: Any,
+        options: dict[str, Any],
+    ) -> None:
+        # The wrapped optimizer's extra `apply_gradients` arguments, for the
+        # update this cycle ends with (also when `flush()` ends it).
+        self._self_apply_options = options
         weight = _check_weight(weight)
         if weight is None:
             weight, self._self_pending_weight = self._self_pending_weight, None
@@ -389,7 +449,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             # variables without a gradient zeros instead of skipping them.
             # (Once anything was accumulated, with another `n` set before,
             # the accumulating path below finishes that cycle instead.)
-            self._self_adapter.apply(grads, trainable_variables)
+            self._self_adapter.apply(
+                grads, trainable_variables, **self._self_apply_options
+            )
             return
         self._accumulate(grads, indices, weight)
         state = self._self_state
@@ -422,11 +484,13 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         count = self._self_state.micro_step.read_value()
         self._finish_cycle_if(count > 0, count)
 
-    def _through_wrapper(self, weight: Any, call: Callable[..., Any], *args: Any) -> Any:
+    def _through_wrapper(
+        self, weight: Any, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         """Calls the loss-scale optimizer, handing `weight` to the core."""
         self._self_core._self_pending_weight = _check_weight(weight)
         try:
-            return call(*args)
+            return call(*args, **kwargs)
         finally:
             self._self_core._self_pending_weight = None
 
@@ -467,11 +531,12 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         ]
         tracked = adapter.state_variables()
         tracked += [adapter.model_variable(v) for v in variables]
+        options = self._self_apply_options
         _masked_update(
             adapter.strategy(),
             keep_new,
             tracked,
-            lambda: adapter.apply_accumulated(update_grads, variables),
+            lambda: adapter.apply_accumulated(update_grads, variables, **options),
         )
         for i, a in zip(included, accumulated):
             state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))
