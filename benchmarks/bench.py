@@ -394,7 +394,7 @@ def run_tracing(quick: bool, log) -> dict:
     from gradaccum import AccumulatingOptimizer, accumulate
 
     calls = []
-    original = AccumulatingOptimizer._accumulate_and_apply
+    original = AccumulatingOptimizer._apply
 
     def counting(self, *args, **kwargs):
         calls.append(1)
@@ -416,7 +416,7 @@ def run_tracing(quick: bool, log) -> dict:
         model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
         return len(calls)
 
-    AccumulatingOptimizer._accumulate_and_apply = counting
+    AccumulatingOptimizer._apply = counting
     results = {}
     try:
         for build in (True, False):
@@ -429,7 +429,7 @@ def run_tracing(quick: bool, log) -> dict:
                     )
         log(f"  tracing: {results}")
     finally:
-        AccumulatingOptimizer._accumulate_and_apply = original
+        AccumulatingOptimizer._apply = original
     return results
 
 

@@ -15,6 +15,7 @@ import tensorflow as tf
 from gradaccum import AccumulatingOptimizer, accumulate
 from gradaccum import masking
 from gradaccum.adapters import _Keras3Optimizer
+from tests.dist_support import replica_states
 from tests.support import (
     MODES,
     assert_states_close,
@@ -24,6 +25,7 @@ from tests.support import (
     full_state,
     make_data,
     make_mlp,
+    mirrored,
 )
 
 N, B, CYCLES = 3, 4, 3
@@ -67,15 +69,13 @@ def test_unknown_mode(bad):
 # MirroredStrategy, two replicas on two logical CPUs (see conftest.py).
 
 
-def _replica_copies(model, opt):
+def _replica_copies(strategy, model, opt):
     """Every replica's copy of every model and optimizer variable."""
-    out = {}
-    for key, v in [(f"model/{v.path}", v) for v in model.weights] + [
-        (f"opt/{i}", v) for i, v in enumerate(opt.variables)
-    ]:
-        for r, copy in enumerate(v.value.values):
-            out[f"{key}@{r}"] = np.asarray(copy.numpy())
-    return out
+    return {
+        f"{key}@{r}": value
+        for r, state in enumerate(replica_states(strategy, model, opt))
+        for key, value in state.items()
+    }
 
 
 class _Recorder(keras.callbacks.Callback):
@@ -98,7 +98,7 @@ class _Recorder(keras.callbacks.Callback):
         self.states.append(self.read())
 
 
-def _assert_only_apply_steps_change_state(states, kernel="model/mlp/out/kernel"):
+def _assert_only_apply_steps_change_state(states, kernel="model/out/kernel"):
     for k in range(1, len(states)):
         if k % N:
             assert_states_equal(states[k - 1], states[k])
@@ -108,7 +108,7 @@ def _assert_only_apply_steps_change_state(states, kernel="model/mlp/out/kernel")
 
 @pytest.mark.parametrize("mode", MODES)
 def test_mirrored_strategy_matches_large_batch(mode):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored()
     x, y = make_data(B * N * CYCLES)
     with strategy.scope():
         ref_model, ref_opt = _constrained_mlp(), _adamw_ema()
@@ -118,14 +118,14 @@ def test_mirrored_strategy_matches_large_batch(mode):
         model = _constrained_mlp()
         opt = accumulate(_adamw_ema(), N, mode=mode)
         opt.build(model.trainable_variables)
-    recorder = _Recorder(lambda: _replica_copies(model, opt))
+    recorder = _Recorder(lambda: _replica_copies(strategy, model, opt))
     model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[recorder])
     assert len(recorder.states) == N * CYCLES + 1
-    _assert_only_apply_steps_change_state(recorder.states, "model/mlp/out/kernel@0")
+    _assert_only_apply_steps_change_state(recorder.states, "model/out/kernel@0")
     assert int(opt.iterations.numpy()) == CYCLES
     assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
-    copies = _replica_copies(model, opt)
+    copies = _replica_copies(strategy, model, opt)
     for key, value in copies.items():
         if key.endswith("@1"):
             np.testing.assert_array_equal(value, copies[key[:-2] + "@0"], err_msg=key)
@@ -231,7 +231,7 @@ def test_masked_writes_keep_the_sign_of_zero_and_non_finite_values():
 @pytest.mark.parametrize("mode", MODES)
 def test_fit_traces_the_update_once_whatever_n(mode, monkeypatch):
     """Built before `fit`: one trace for all epochs, the last, smaller batch too."""
-    traces = _spy(monkeypatch, AccumulatingOptimizer, "_accumulate_and_apply")
+    traces = _spy(monkeypatch, AccumulatingOptimizer, "_apply")
     for n in (2, 5):
         traces.clear()
         x, y = make_data(B * n * 2 + 2)  # a last batch of 2
@@ -244,7 +244,7 @@ def test_fit_traces_the_update_once_whatever_n(mode, monkeypatch):
 
 def test_fit_traces_an_unbuilt_optimizer_as_often_as_the_plain_one(monkeypatch):
     """Variables created on the first call make `tf.function` trace twice."""
-    traces = _spy(monkeypatch, AccumulatingOptimizer, "_accumulate_and_apply")
+    traces = _spy(monkeypatch, AccumulatingOptimizer, "_apply")
 
     class CountingAdam(keras.optimizers.Adam):
         def apply(self, *args, **kwargs):
