@@ -65,6 +65,23 @@ def test_unknown_mode(bad):
         AccumulatingOptimizer(keras.optimizers.SGD(), 2, mode=bad)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_config_round_trip_keeps_the_mode(mode):
+    lso = keras.optimizers.LossScaleOptimizer
+    for opt in (
+        accumulate(keras.optimizers.Adam(), 3, mode=mode),
+        accumulate(lso(keras.optimizers.Adam()), 3, mode=mode),
+    ):
+        assert opt.mode == mode
+        again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
+        assert type(again) is AccumulatingOptimizer
+        assert (again.n, again.mode) == (3, mode)
+    # A config written before `mode` existed loads as the default.
+    config = keras.saving.serialize_keras_object(accumulate(keras.optimizers.Adam(), 3, mode=mode))
+    del config["config"]["mode"]
+    assert AccumulatingOptimizer.from_config(config["config"]).mode == "masked"
+
+
 # ----------------------------------------------------------------------
 # MirroredStrategy, two replicas on two logical CPUs (see conftest.py).
 
