@@ -250,6 +250,14 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 "No gradients provided for any variable (every gradient is "
                 "None)."
             )
+        if self._self_n == 1:
+            # Every micro-batch is a whole batch: hand the gradients over as
+            # they are. Accumulating first would densify `IndexedSlices` and
+            # sum repeated rows before the optimizer sees them, which Keras
+            # does not do (it applies repeated rows one by one), and would
+            # give previously seen variables zeros instead of skipping them.
+            self._self_adapter.apply(grads, trainable_variables)
+            return
         self._accumulate_and_apply(grads, indices)
 
     def _accumulate_and_apply(self, grads: list[Any], indices: list[int]) -> None:
