@@ -68,7 +68,8 @@ def _family_kwargs(draw: st.DrawFn, family: str) -> dict[str, Any]:
                 "l2_shrinkage_regularization_strength": draw(unit(0.0, 0.01)),
                 "beta": draw(unit(0.0, 1.0))}
     if family == "Lion":
-        return {"learning_rate": draw(log_uniform(-4, -2.5)), "beta_1": draw(betas_1),
+        # Lion rejects beta_1 = 0 (it would be SignSGD).
+        return {"learning_rate": draw(log_uniform(-4, -2.5)), "beta_1": draw(unit(0.01, 0.99)),
                 "beta_2": draw(unit(0.9, 0.999))}
     if family == "Adafactor":
         return {"learning_rate": draw(lr), "beta_2_decay": draw(unit(-1.0, -0.5)),
