@@ -10,6 +10,7 @@ micro-steps; eager, `tf.function` and `tf.function(jit_compile=True)`.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -87,3 +88,41 @@ def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(case):
     assert_states_equal(plain, subject, "n=1 against the plain optimizer")
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="Known bug: a step traced before a variable first received a "
+    "gradient leaves that variable out of its update for good; see "
+    "docstring.",
+)
+@scaled(10)
+@given(case=cases(modes=("tf_function",), heads_vary_when_traced=True))
+@example(
+    case=Case(
+        model=ModelSpec(kind="dense", width=3, depth=1),
+        optimizer=OptimizerSpec("SGD", (("learning_rate", 0.1),)),
+        n=2,
+        reduction="mean",
+        micro_batch=1,
+        cycles=2,
+        extra=0,
+        heads=((0,), (0, 1), (0, 1), (0,)),
+        mode="tf_function",
+        data_seed=0,
+    )
+)
+def test_traced_loop_whose_none_pattern_changes(case):
+    """A `tf.function` step retraced per set of heads (e.g. per task).
+
+    Which variables take part in an update is decided when a step is traced
+    (from the variables seen so far). In the pinned example the step for
+    heads (0,) is traced on micro-step 0, before `head1` ever had a
+    gradient; `head1` gets one on micro-step 2, and micro-step 3 (an apply
+    step) runs the old trace, which neither applies nor clears `head1`'s
+    accumulator: `head1` misses the update, and its stale sum leaks into the
+    next cycle. Eager loops, and traced loops whose heads do not change
+    (`test_accumulated_equals_large_batch`), are exact.
+    """
+    reference, _, _ = run_reference(case)
+    assert_finite(reference)
+    subject, _, _ = run_subject(case)
+    assert_states_close(reference, subject)
