@@ -56,13 +56,20 @@ def make_embedding_model(vocab: int = 20, dim: int = 4, seed: int = 0) -> keras.
     return keras.Model(inputs, out, name="embed")
 
 
-def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
-    """Every optimizer variable by path without the optimizer's own name."""
+def optimizer_state(optimizer: Any, model_name: str = "") -> dict[str, np.ndarray]:
+    """Every optimizer variable by the last part of its path.
+
+    The leading parts name the optimizer (and a loss-scale wrapper), which
+    differ between the runs compared; slot names start with the model's name
+    in a model built in Python, not in one loaded from a file.
+    """
     out = {}
     for v in optimizer.variables:
         # Unnamed variables get a process-wide counter suffix ("variable_3");
         # drop it, and number repeats in creation order instead.
-        path = re.sub(r"_\d+$", "", v.path.split("/", 1)[-1])
+        path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
+        if model_name and path.startswith(model_name + "_"):
+            path = path[len(model_name) + 1 :]
         key, k = f"opt/{path}", 1
         while key in out:
             key, k = f"opt/{path}#{k}", k + 1
@@ -71,9 +78,12 @@ def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
 
 
 def full_state(model: keras.Model, optimizer: Any) -> dict[str, np.ndarray]:
-    """Model weights (by path) and optimizer variables (by path)."""
-    out = {f"model/{v.path}": np.asarray(v.numpy()) for v in model.weights}
-    out.update(optimizer_state(optimizer))
+    """Model weights (by layer/name) and optimizer variables (by name)."""
+    out = {
+        "model/" + "/".join(v.path.split("/")[-2:]): np.asarray(v.numpy())
+        for v in model.weights
+    }
+    out.update(optimizer_state(optimizer, model.name))
     out["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
     return out
 

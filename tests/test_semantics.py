@@ -216,7 +216,7 @@ def test_in_between_micro_steps_leave_all_state_bit_identical(name):
         if applied:
             assert int(after["iterations"]) == int(before["iterations"]) + 1
             assert not np.array_equal(
-                before["model/mlp/out/kernel"], after["model/mlp/out/kernel"]
+                before["model/out/kernel"], after["model/out/kernel"]
             )
         else:
             assert_states_equal(before, after)

@@ -12,16 +12,13 @@ import wrapt
 from gradaccum._validation import _check_n, _check_reduction
 from gradaccum.adapters import _adapter_for, _families
 from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
+from gradaccum.loss_scaling import _inner_attribute, _install
 from gradaccum.masking import _masked_update
-
-
-class _AccumulationState(tf.Module):
-    """The variables the proxy owns: one accumulator per variable, a counter."""
-
-    def __init__(self, accumulators: list[tf.Variable], micro_step: tf.Variable):
-        super().__init__(name="gradient_accumulation")
-        self.accumulators = accumulators
-        self.micro_step = micro_step
+from gradaccum.serialization import (
+    _AccumulationState,
+    _Saveable,
+    _install_keras_serialization,
+)
 
 
 def _accumulator_dtype(variable: Any) -> tf.DType:
@@ -50,16 +47,19 @@ def _check_optimizer(optimizer: Any) -> Any:
             f"`optimizer` must be an optimizer instance ({_families()}). "
             f"Received: {optimizer!r} of type {type(optimizer).__name__}.{hint}"
         )
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise TypeError(
-            "Accumulating through a LossScaleOptimizer is not supported yet: "
-            "wrap the inner optimizer, then loss-scale the result."
+    attribute = _inner_attribute(optimizer)
+    if attribute is not None and isinstance(
+        getattr(optimizer, attribute), AccumulatingOptimizer
+    ):
+        raise ValueError(
+            "`optimizer` is a loss-scale optimizer around an "
+            "AccumulatingOptimizer already; wrapping it would accumulate twice."
         )
     adapter.check()
     return adapter
 
 
-class AccumulatingOptimizer(wrapt.ObjectProxy):
+class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     """A Keras optimizer that applies one update every `n` micro-batches.
 
     The proxy is the wrapped optimizer to everyone else: `isinstance`,
@@ -72,6 +72,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     The update is branch-free: every call runs the wrapped optimizer's update
     and keeps its result only on the apply step (see `gradaccum.masking`).
+
+    Wrapping a loss-scale optimizer accumulates inside it, on its inner
+    optimizer: the result is still the loss-scale optimizer to other code,
+    and a non-finite micro-batch is dropped, not counted (see
+    `gradaccum.loss_scaling`).
 
     Create it with `gradaccum.accumulate()`.
 
@@ -93,14 +98,37 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         optimizer: keras.optimizers.Optimizer,
         n: int,
         reduction: str = "mean",
+        *,
+        _adopt: bool = False,
     ):
-        adapter = _check_optimizer(optimizer)
+        attribute = _inner_attribute(optimizer)
+        adopted = None
+        if _adopt and attribute is not None:
+            # Deserializing: the loss-scale optimizer's inner optimizer was
+            # saved as the accumulating one.
+            adopted = getattr(optimizer, attribute)
+            if not isinstance(adopted, AccumulatingOptimizer):
+                adopted = None
+        adapter = _adapter_for(optimizer) if adopted is not None else _check_optimizer(optimizer)
         n = _check_n(n)
         reduction = _check_reduction(reduction)
         super().__init__(optimizer)
         self._self_adapter = adapter
         self._self_n = n
         self._self_reduction = reduction
+        # Where the accumulation happens: this proxy, or for a loss-scale
+        # optimizer an AccumulatingOptimizer installed as its inner optimizer.
+        self._self_core: AccumulatingOptimizer = self
+        if adopted is not None:
+            self._self_core = adopted
+            return
+        if attribute is not None:
+            self._self_core = _install(
+                optimizer,
+                attribute,
+                lambda inner: AccumulatingOptimizer(inner, n, reduction=reduction),
+            )
+            return
         self._self_state: _AccumulationState | None = None
         self._self_variables: list[Any] = []
         self._self_index: dict[Any, int] = {}
@@ -116,22 +144,25 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     @property
     def n(self) -> int:
         """Number of micro-batches accumulated per applied update."""
-        return self._self_n
+        return self._self_core._self_n
 
     @property
     def reduction(self) -> str:
         """`"mean"` or `"sum"`: how the `n` micro-gradients are combined."""
-        return self._self_reduction
+        return self._self_core._self_reduction
 
     @property
     def micro_step(self) -> tf.Tensor:
         """Micro-batches accumulated in the current cycle (int64, 0..n-1)."""
-        if self._self_state is None:
+        state = self._self_core._self_state
+        if state is None:
             return tf.constant(0, dtype=tf.int64)
-        return tf.identity(self._self_state.micro_step)
+        return tf.identity(state.micro_step)
 
     @property
     def built(self) -> bool:
+        if self._self_core is not self:
+            return bool(self.__wrapped__.built)
         return self._self_adapter.built and self._self_state is not None
 
     @built.setter
@@ -147,6 +178,9 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Args:
             variables: The trainable variables the optimizer will update.
         """
+        if self._self_core is not self:
+            self.__wrapped__.build(list(variables))
+            return
         adapter = self._self_adapter
         if not adapter.built:
             adapter.build(variables)
@@ -167,7 +201,10 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             micro_step = _mirrored_counter(0, name="micro_step")
         self._self_variables = variables
         self._self_index = {adapter.var_key(v): i for i, v in enumerate(variables)}
-        self._self_state = _AccumulationState(accumulators, micro_step)
+        self._self_state = _AccumulationState(
+            accumulators, micro_step, self._self_n, self._self_reduction
+        )
+        self._restore_deferred_state()
 
     def _indices_of(self, variables: Sequence[Any]) -> list[int]:
         var_key = self._self_adapter.var_key
@@ -199,6 +236,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Returns:
             The wrapped optimizer's `iterations` (applied updates).
         """
+        if self._self_core is not self:
+            return self.__wrapped__.apply_gradients(grads_and_vars)
         pairs = list(grads_and_vars)
         if pairs:
             grads, variables = zip(*pairs)
@@ -220,6 +259,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 if `grads` does not match the built variables, or if every
                 gradient is `None`.
         """
+        if self._self_core is not self:
+            return self.__wrapped__.apply(grads, trainable_variables)
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -301,11 +342,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     def __repr__(self) -> str:
         position = "?"
-        if self._self_state is not None and tf.executing_eagerly():
-            position = str(int(self._self_state.micro_step.numpy()))
+        if tf.executing_eagerly():
+            position = str(int(self.micro_step.numpy()))
         return (
-            f"<AccumulatingOptimizer n={self._self_n} "
-            f"reduction={self._self_reduction!r} micro_step={position} "
+            f"<AccumulatingOptimizer n={self.n} "
+            f"reduction={self.reduction!r} micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
 
@@ -367,3 +408,6 @@ def accumulate(
         return make
 
     return decorator
+
+
+_install_keras_serialization(AccumulatingOptimizer)

@@ -1,0 +1,277 @@
+"""Checkpoints, `.keras` files and configs, mid-cycle and across switches."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradaccum import AccumulatingOptimizer, accumulate
+from tests.support import (
+    assert_states_close,
+    assert_states_equal,
+    fit,
+    full_state,
+    make_data,
+    make_mlp,
+    mse_grads,
+)
+
+N, B = 3, 4
+STEPS = 11  # micro-steps in the whole run: three full cycles and a partial one
+X, Y = make_data(B * STEPS)
+
+
+def _adam():
+    return keras.optimizers.Adam(1e-2)
+
+
+def _step(model, opt, k):
+    grads = mse_grads(model, X[k * B : (k + 1) * B], Y[k * B : (k + 1) * B])
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def _fresh(n=N, reduction="mean", build=True):
+    model = make_mlp()
+    opt = accumulate(_adam(), n, reduction=reduction)
+    if build:
+        opt.build(model.trainable_variables)
+    return model, opt
+
+
+def _uninterrupted():
+    model, opt = _fresh()
+    for k in range(STEPS):
+        _step(model, opt, k)
+    return full_state(model, opt)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return _uninterrupted()
+
+
+# ----------------------------------------------------------------------
+# tf.train.Checkpoint
+
+
+@pytest.mark.parametrize("stop", [3, 4, 5])  # micro_step 0, 1, 2 at the save
+@pytest.mark.parametrize("build_before_restore", [True, False])
+def test_checkpoint_mid_cycle_resumes_bit_identical(
+    tmp_path, uninterrupted, stop, build_before_restore
+):
+    model, opt = _fresh()
+    for k in range(stop):
+        _step(model, opt, k)
+    assert int(opt.micro_step) == stop % N
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+
+    model2, opt2 = _fresh(build=build_before_restore)
+    status = tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
+    if not build_before_restore:
+        opt2.build(model2.trainable_variables)  # deferred values land here
+    status.assert_consumed()
+    assert int(opt2.micro_step) == stop % N
+    for k in range(stop, STEPS):
+        _step(model2, opt2, k)
+    assert_states_equal(uninterrupted, full_state(model2, opt2))
+
+
+def test_checkpoint_with_another_n_or_reduction_is_refused(tmp_path):
+    model, opt = _fresh()
+    _step(model, opt, 0)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    for n, reduction, match in [(4, "mean", "n=3.*n=4"), (N, "sum", "reduction='mean'")]:
+        model2, opt2 = _fresh(n=n, reduction=reduction)
+        with pytest.raises(ValueError, match=match):
+            tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
+
+
+def test_checkpoint_for_other_variable_shapes_is_refused(tmp_path):
+    model, opt = _fresh()
+    _step(model, opt, 0)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    other = make_mlp(widths=(7,))
+    opt2 = accumulate(_adam(), N)
+    opt2.build(other.trainable_variables)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="shape"):
+        tf.train.Checkpoint(model=other, optimizer=opt2).restore(path)
+
+
+def test_plain_checkpoint_restores_into_accumulating_optimizer(tmp_path):
+    """Slots land in the right variables; accumulators start empty."""
+    model, plain = make_mlp(), _adam()
+    fit(model, plain, X[: B * N * 2], Y[: B * N * 2], B * N)
+    path = tf.train.Checkpoint(model=model, optimizer=plain).save(str(tmp_path / "ckpt"))
+
+    model2, opt2 = _fresh()
+    # Everything the checkpoint holds is used; only the accumulation state,
+    # which it does not hold, stays as built.
+    tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
+    assert_states_equal(full_state(model, plain), full_state(model2, opt2))
+    assert int(opt2.micro_step) == 0
+    state = opt2._self_state
+    assert all(not np.any(a.numpy()) for a in state.accumulators)
+
+    # ... and training continues exactly as the large batch does.
+    fit(model, plain, X[B * N * 2 : B * N * 3], Y[B * N * 2 : B * N * 3], B * N)
+    fit(model2, opt2, X[B * N * 2 : B * N * 3], Y[B * N * 2 : B * N * 3], B)
+    assert_states_close(full_state(model, plain), full_state(model2, opt2))
+
+
+def test_accumulating_checkpoint_restores_into_plain_optimizer(tmp_path):
+    model, opt = _fresh()
+    for k in range(2 * N):  # two whole cycles
+        _step(model, opt, k)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    model2, plain = make_mlp(), _adam()
+    plain.build(model2.trainable_variables)
+    status = tf.train.Checkpoint(model=model2, optimizer=plain).restore(path)
+    status.assert_existing_objects_matched()
+    assert_states_equal(full_state(model, opt), full_state(model2, plain))
+
+
+# ----------------------------------------------------------------------
+# .keras files and configs
+
+
+def test_keras_file_mid_cycle_round_trip(tmp_path, uninterrupted):
+    stop = 4
+    model, opt = _fresh()
+    model.compile(optimizer=opt, loss="mse")
+    for k in range(stop):
+        _step(model, opt, k)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+
+    loaded = keras.models.load_model(path)  # safe_mode=True, no custom_objects
+    opt2 = loaded.optimizer
+    assert type(opt2) is AccumulatingOptimizer
+    assert (opt2.n, opt2.reduction) == (N, "mean")
+    assert opt2.__wrapped__.get_config() == opt.__wrapped__.get_config() | {
+        "name": opt2.__wrapped__.name
+    }
+    assert int(opt2.micro_step) == stop % N
+    assert_states_equal(full_state(model, opt), full_state(loaded, opt2))
+    for k in range(stop, STEPS):
+        _step(loaded, opt2, k)
+    assert_states_equal(uninterrupted, full_state(loaded, opt2))
+
+
+def test_serialize_round_trip():
+    opt = accumulate(keras.optimizers.SGD(0.1, momentum=0.5), 5, reduction="sum")
+    config = keras.saving.serialize_keras_object(opt)
+    assert config["class_name"] == "AccumulatingOptimizer"
+    assert config["config"]["n"] == 5
+    again = keras.saving.deserialize_keras_object(config)
+    assert type(again) is AccumulatingOptimizer
+    assert (again.n, again.reduction) == (5, "sum")
+    assert again.get_config()["momentum"] == 0.5
+    also = AccumulatingOptimizer.from_config(config["config"])
+    assert (also.n, also.reduction) == (5, "sum")
+    assert keras.optimizers.deserialize(keras.optimizers.serialize(opt)).n == 5
+    with pytest.raises(ValueError, match="needs \\['n'\\]"):
+        AccumulatingOptimizer.from_config({"optimizer": config["config"]["optimizer"]})
+
+
+def test_serialize_round_trip_through_loss_scale_optimizer():
+    opt = accumulate(keras.optimizers.LossScaleOptimizer(_adam()), 4)
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
+    assert type(again) is AccumulatingOptimizer
+    assert isinstance(again, keras.optimizers.LossScaleOptimizer)
+    assert again.n == 4
+    assert type(again.inner_optimizer) is AccumulatingOptimizer
+
+
+def test_keras_weights_file_with_another_n_is_refused(tmp_path):
+    model, opt = _fresh()
+    model.compile(optimizer=opt, loss="mse")
+    _step(model, opt, 0)
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    model2, opt2 = _fresh(n=4)
+    model2.compile(optimizer=opt2, loss="mse")
+    with pytest.raises(ValueError, match="n=3.*n=4"):
+        model2.load_weights(path)
+
+
+# ----------------------------------------------------------------------
+# Callbacks that save and restore
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, at_batch):
+        super().__init__()
+        self.at, self.seen = at_batch, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.seen == self.at:
+            raise RuntimeError("interrupted")
+        self.seen += 1
+
+
+def test_backup_and_restore_mid_cycle(tmp_path):
+    """10 micro-batches an epoch, n=3: every epoch ends mid-cycle."""
+    x, y = make_data(B * 10)
+    epochs = 3
+    ref_model, ref_opt = _fresh(build=False)
+    ref_model.compile(optimizer=ref_opt, loss="mse")
+    ref_model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0)
+
+    backup = str(tmp_path / "backup")
+    model, opt = _fresh(build=False)
+    model.compile(optimizer=opt, loss="mse")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(
+            x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(14)],
+        )
+    model2, opt2 = _fresh(build=False)
+    model2.compile(optimizer=opt2, loss="mse")
+    model2.fit(
+        x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(backup)],
+    )
+    assert_states_equal(full_state(ref_model, ref_opt), full_state(model2, opt2))
+
+
+def test_model_checkpoint_mid_cycle(tmp_path):
+    x, y = make_data(B * 10)
+    ref_model, ref_opt = _fresh(build=False)
+    ref_model.compile(optimizer=ref_opt, loss="mse")
+    ref_model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+
+    path = str(tmp_path / "epoch{epoch}.keras")
+    model, opt = _fresh(build=False)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(
+        x, y, batch_size=B, epochs=1, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(path)],
+    )
+    loaded = keras.models.load_model(str(tmp_path / "epoch1.keras"))
+    assert int(loaded.optimizer.micro_step) == 10 % N
+    loaded.fit(x, y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_states_equal(full_state(ref_model, ref_opt), full_state(loaded, loaded.optimizer))
+
+
+# ----------------------------------------------------------------------
+# Exports for inference
+
+
+def test_saved_model_and_export_with_accumulating_optimizer(tmp_path):
+    model, opt = _fresh(build=False)
+    fit(model, opt, X[:B * 4], Y[:B * 4], B)
+    expected = model.predict(X[:5], verbose=0)
+    serve = tf.function(
+        lambda x: {"y": model(x)}, input_signature=[tf.TensorSpec([None, 5], tf.float32)]
+    )
+    tf.saved_model.save(model, str(tmp_path / "saved"), signatures=serve)
+    restored = tf.saved_model.load(str(tmp_path / "saved"))
+    out = restored.signatures["serving_default"](tf.constant(X[:5]))["y"]
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-6)
+
+    model.export(str(tmp_path / "export"))
+    served = tf.saved_model.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(served.serve(tf.constant(X[:5])).numpy(), expected, rtol=1e-6)
+    assert os.path.isdir(str(tmp_path / "export"))
