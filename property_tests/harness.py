@@ -20,7 +20,9 @@ traced update is cheap next to a model build).
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import tempfile
 from typing import Any, Callable, Sequence
 
 import keras
@@ -120,15 +122,16 @@ def _build(spec: ModelSpec) -> keras.Model:
     return keras.Model(inputs, outputs, name=spec.kind)
 
 
-_MODELS: dict[ModelSpec, tuple[keras.Model, list[np.ndarray]]] = {}
+_MODELS: dict[tuple[ModelSpec, int], tuple[keras.Model, list[np.ndarray]]] = {}
 
 
-def model_for(spec: ModelSpec) -> keras.Model:
-    """The model of this shape, reset to its initial weights."""
-    if spec not in _MODELS:
+def model_for(spec: ModelSpec, copy: int = 0) -> keras.Model:
+    """Model `copy` of this shape (0 or 1), reset to its initial weights."""
+    key = (spec, copy)
+    if key not in _MODELS:
         model = _build(spec)
-        _MODELS[spec] = (model, [v.numpy() for v in model.weights])
-    model, initial = _MODELS[spec]
+        _MODELS[key] = (model, [v.numpy() for v in model.weights])
+    model, initial = _MODELS[key]
     for v, value in zip(model.weights, initial):
         v.assign(value)
     return model
@@ -185,6 +188,12 @@ class Case:
     mode: str
     data_seed: int
     build_first: bool = True
+    # None, or how a float32 LossScaleOptimizer is combined with the
+    # accumulation: "accumulate_lso" = accumulate(LSO(opt), n),
+    # "lso_accumulate" = LSO(accumulate(opt, n)). The reference is then
+    # LSO(opt) on the large batch. Scales are powers of two, so in float32
+    # unscaling is exact and the runs must agree as closely as without.
+    loss_scale: str | None = None
 
     @property
     def micro_steps(self) -> int:
@@ -233,6 +242,7 @@ def micro_step_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]
         with tf.GradientTape() as tape:
             outs = model(xs, training=True)
             loss = tf.add_n([tf.reduce_mean(_per_sample_mse(outs[h], ys[h])) for h in heads])
+            loss = opt.scale_loss(loss)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -254,7 +264,7 @@ def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any
             loss = tf.add_n(
                 [tf.reduce_mean(weights[h] * _per_sample_mse(outs[h], ys[h])) for h in heads]
             )
-            loss = loss * scale
+            loss = opt.scale_loss(loss * scale)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -266,10 +276,15 @@ def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any
 
 
 def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
-    """Every optimizer variable by path, without the optimizer's own name."""
+    """Every optimizer variable by name, in creation order.
+
+    Keyed by the last path component: the path's leading parts are the names
+    of the optimizers holding the variable (unique per instance, and nested
+    under a LossScaleOptimizer), which differ between equivalent runs.
+    """
     out = {}
     for v in optimizer.variables:
-        path = re.sub(r"_\d+$", "", v.path.split("/", 1)[-1])
+        path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
         key, k = f"opt/{path}", 1
         while key in out:
             key, k = f"opt/{path}#{k}", k + 1
@@ -318,36 +333,91 @@ def assert_states_equal(before: dict, after: dict, what: str = "") -> None:
 # ----------------------------------------------------------------------
 # Runs.
 
+LSO = keras.optimizers.LossScaleOptimizer
+# Counts finite loss-scaled backward passes: micro-batches for the
+# accumulating runs, batches for the reference (documented), so it is
+# compared on its own.
+STEP_COUNTER = "opt/step_counter"
 
-def run_subject(case: Case, wrap: Callable[[Any], Any] | None = None):
+
+def make_plain(case: Case) -> Any:
+    """The reference optimizer: the drawn one, loss-scaled if the case is."""
+    opt = case.optimizer.make()
+    return LSO(opt) if case.loss_scale else opt
+
+
+def make_subject(case: Case) -> Any:
+    """The accumulating optimizer for the case (see `Case.loss_scale`)."""
+    inner = case.optimizer.make()
+    if case.loss_scale == "accumulate_lso":
+        return accumulate(LSO(inner), case.n, reduction=case.reduction)
+    if case.loss_scale == "lso_accumulate":
+        return LSO(accumulate(inner, case.n, reduction=case.reduction))
+    return accumulate(inner, case.n, reduction=case.reduction)
+
+
+def accumulating(opt: Any) -> Any:
+    """The AccumulatingOptimizer in `opt` (it, or a LossScaleOptimizer's inner)."""
+    return opt.inner_optimizer if type(opt) is LSO else opt
+
+
+def _checkpoint(model: keras.Model, opt: Any, directory: str) -> str:
+    return tf.train.Checkpoint(model=model, optimizer=opt).write(
+        os.path.join(directory, "ckpt")
+    )
+
+
+def run_subject(case: Case, resume_at: int | None = None):
     """Trains the accumulating optimizer on micro-batches; checks each step.
 
     After every micro-step: `micro_step` and `iterations` count micro-batches
     and applied updates, and an in-between micro-step left every model weight
-    and optimizer variable bit-identical (`np.array_equal`).
+    and optimizer variable bit-identical (`np.array_equal`); the loss-scale
+    step counter, which counts micro-batches, only advanced by one.
+
+    Args:
+        case: The drawn run.
+        resume_at: If given, after this many micro-steps the model and
+            optimizer are written to a `tf.train.Checkpoint`, restored into
+            a second model and a freshly made optimizer, and training goes on
+            with those (and a newly traced step).
 
     Returns:
         `(state, model, optimizer)` after `case.micro_steps` micro-steps.
     """
     xs, ys = case.data()
     model = model_for(case.model)
-    inner = case.optimizer.make()
-    opt = wrap(inner) if wrap else accumulate(inner, case.n, reduction=case.reduction)
+    opt = make_subject(case)
     if case.build_first:
         opt.build(model.trainable_variables)
     step = micro_step_fn(model, opt, case.mode)
     b = case.micro_batch
     applied = 0
-    for i in range(case.micro_steps):
-        applies = (i + 1) % case.n == 0
-        before = full_state(model, opt) if opt.built else model_state(model)
-        step(_rows(xs, i * b, (i + 1) * b), _rows(ys, i * b, (i + 1) * b), case.heads[i])
-        applied += applies
-        assert int(opt.micro_step) == (i + 1) % case.n, f"micro-step {i}"
-        assert int(opt.iterations) == applied, f"micro-step {i}"
-        if not applies:
-            after = full_state(model, opt) if "iterations" in before else model_state(model)
-            assert_states_equal(before, after, f"in-between micro-step {i}")
+    with tempfile.TemporaryDirectory() as directory:
+        for i in range(case.micro_steps):
+            if i == resume_at:
+                path = _checkpoint(model, opt, directory)
+                model = model_for(case.model, copy=1)
+                opt = make_subject(case)
+                if case.build_first:
+                    opt.build(model.trainable_variables)
+                status = tf.train.Checkpoint(model=model, optimizer=opt).read(path)
+                if not case.build_first:
+                    opt.build(model.trainable_variables)  # deferred values land here
+                status.assert_consumed()
+                step = micro_step_fn(model, opt, case.mode)
+            applies = (i + 1) % case.n == 0
+            before = full_state(model, opt) if opt.built else model_state(model)
+            step(_rows(xs, i * b, (i + 1) * b), _rows(ys, i * b, (i + 1) * b), case.heads[i])
+            applied += applies
+            assert int(accumulating(opt).micro_step) == (i + 1) % case.n, f"micro-step {i}"
+            assert int(opt.iterations) == applied, f"micro-step {i}"
+            if case.loss_scale:
+                assert int(opt.step_counter.numpy()) == i + 1, f"micro-step {i}"
+            if not applies:
+                after = full_state(model, opt) if "iterations" in before else model_state(model)
+                before.pop(STEP_COUNTER, None), after.pop(STEP_COUNTER, None)
+                assert_states_equal(before, after, f"in-between micro-step {i}")
     return full_state(model, opt), model, opt
 
 
@@ -372,7 +442,7 @@ def run_reference(case: Case, scale: float | None = None):
         scale = float(case.n) if case.reduction == "sum" else 1.0
     xs, ys = case.data()
     model = model_for(case.model)
-    opt = case.optimizer.make()
+    opt = make_plain(case)
     if case.build_first:
         opt.build(model.trainable_variables)
     step = large_batch_fn(model, opt, case.mode)
@@ -396,7 +466,7 @@ def run_plain_micro(case: Case):
     """The plain optimizer on the micro-batches themselves (what n=1 must be)."""
     xs, ys = case.data()
     model = model_for(case.model)
-    opt = case.optimizer.make()
+    opt = make_plain(case)
     if case.build_first:
         opt.build(model.trainable_variables)
     step = micro_step_fn(model, opt, case.mode)

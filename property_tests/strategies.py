@@ -201,4 +201,5 @@ def cases(
         mode=mode,
         data_seed=draw(st.integers(0, 2**16)),
         build_first=draw(st.booleans()),
+        loss_scale=draw(st.sampled_from([None, None, None, "accumulate_lso", "lso_accumulate"])),
     )
