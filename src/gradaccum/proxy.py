@@ -329,7 +329,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             for a, v in zip(accumulated, variables)
         ]
         tracked = adapter.state_variables()
-        tracked += [adapter.model_variable(v) for v in variables]
+        # Every variable the optimizer was built for, not only those in this
+        # update: with `ema_overwrite_frequency` Keras overwrites all of them
+        # with their moving averages, gradient or not.
+        tracked += [adapter.model_variable(v) for v in self._self_variables]
         _masked_update(
             adapter.strategy(),
             keep_new,
