@@ -9,8 +9,9 @@ float32 rounding.
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import keras
 import numpy as np
@@ -159,3 +160,28 @@ def mse_grads(model: keras.Model, x, y, loss_fn=None):
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
     return tape.gradient(loss, model.trainable_variables)
+
+
+_MIRRORED: list[tf.distribute.MirroredStrategy] = []
+
+
+def mirrored() -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy over the two logical CPUs, shared by all tests.
+
+    Several MirroredStrategy objects in one process hand out the same
+    collective instance keys, so their all-reduces can meet each other.
+    """
+    if not _MIRRORED:
+        _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _MIRRORED[0]
+
+
+@contextlib.contextmanager
+def dtype_policy(name: str) -> Iterator[None]:
+    """Sets Keras's global dtype policy for the block, then restores it."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)

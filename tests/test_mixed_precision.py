@@ -1,6 +1,5 @@
 """Accumulation through LossScaleOptimizer, both wrapping orders."""
 
-import contextlib
 
 import keras
 import numpy as np
@@ -9,6 +8,7 @@ import tensorflow as tf
 
 from gradaccum import AccumulatingOptimizer, accumulate
 from tests.support import (
+    dtype_policy,
     assert_states_close,
     fit,
     full_state,
@@ -27,14 +27,6 @@ FP16_ATOL, FP16_RTOL = 5e-5, 1e-4
 BF16_ATOL, BF16_RTOL = 1e-3, 1e-3
 
 
-@contextlib.contextmanager
-def policy(name):
-    previous = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(name)
-    try:
-        yield
-    finally:
-        keras.config.set_dtype_policy(previous)
 
 
 def _adam():
@@ -49,33 +41,33 @@ WRAPS = {
 
 
 @pytest.mark.parametrize(
-    "dtype_policy, order",
+    "policy_name, order",
     [("mixed_float16", order) for order in sorted(WRAPS)]
     # Keras adds no loss scaling for bfloat16.
     + [("mixed_bfloat16", "compile_auto_wrap")],
 )
-def test_fit_equals_large_batch_mixed_precision_training(dtype_policy, order):
+def test_fit_equals_large_batch_mixed_precision_training(policy_name, order):
     x, y = make_data(B * N * CYCLES)
-    with policy(dtype_policy):
+    with dtype_policy(policy_name):
         ref_model = make_mlp()
-        ref_opt = LSO(_adam()) if dtype_policy == "mixed_float16" else _adam()
+        ref_opt = LSO(_adam()) if policy_name == "mixed_float16" else _adam()
         fit(ref_model, ref_opt, x, y, B * N)
         model = make_mlp()
         opt = WRAPS[order]()
         fit(model, opt, x, y, B)
-    if dtype_policy == "mixed_float16":
+    if policy_name == "mixed_float16":
         assert isinstance(model.optimizer, LSO)
         assert model.optimizer.dynamic_scale.numpy() == ref_opt.dynamic_scale.numpy()
     ref = full_state(ref_model, ref_opt)
     acc = full_state(model, model.optimizer)
     assert acc["iterations"] == CYCLES
-    if dtype_policy == "mixed_float16":
+    if policy_name == "mixed_float16":
         # The scale's growth counter counts finite scaled backward passes:
         # micro-batches, not applied updates (documented).
         assert int(ref.pop("opt/step_counter")) == CYCLES
         assert int(acc.pop("opt/step_counter")) == N * CYCLES
-    atol = FP16_ATOL if dtype_policy == "mixed_float16" else BF16_ATOL
-    rtol = FP16_RTOL if dtype_policy == "mixed_float16" else BF16_RTOL
+    atol = FP16_ATOL if policy_name == "mixed_float16" else BF16_ATOL
+    rtol = FP16_RTOL if policy_name == "mixed_float16" else BF16_RTOL
     assert_states_close(ref, acc, rtol=rtol, atol=atol)
     # Accumulators are float32 whatever the compute dtype.
     accumulating = opt if isinstance(opt, AccumulatingOptimizer) else opt.inner_optimizer

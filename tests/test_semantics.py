@@ -438,3 +438,38 @@ def test_gradient_count_mismatch():
     opt.build(model.trainable_variables)
     with pytest.raises(ValueError, match="Received 1 gradients"):
         opt.apply([tf.zeros((3,))])
+
+
+def test_traced_step_that_left_out_a_variable_refuses_to_drop_its_gradients():
+    """Multi-task: a step traced before a head first had gradients.
+
+    `step_a` only trains head a and is traced first; `step_ab` then gives head
+    b gradients. When `step_a` runs the apply step it cannot apply head b's
+    accumulated gradients: it raises rather than dropping them silently.
+    """
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    head_a = keras.layers.Dense(2, name="a")(inputs)
+    head_b = keras.layers.Dense(2, name="b")(inputs)
+    model = keras.Model(inputs, [head_a, head_b])
+    opt = accumulate(keras.optimizers.SGD(0.1), 2)
+    opt.build(model.trainable_variables)
+    x, y = make_data(B, out_dim=2)
+
+    def make_step(heads):
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                outs = model(x)
+                loss = sum(tf.reduce_mean((outs[h] - y) ** 2) for h in heads)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        return step
+
+    step_a, step_ab = make_step([0]), make_step([0, 1])
+    step_a()  # traced while head b has never had a gradient
+    opt.flush()
+    step_ab()  # head b accumulates
+    with pytest.raises(tf.errors.InvalidArgumentError, match="leaves them out"):
+        step_a()  # apply step: head b's gradients cannot be applied here

@@ -31,3 +31,39 @@ def _check_reduction(reduction: Any) -> str:
             f"Received: reduction={reduction!r}."
         )
     return reduction
+
+
+def _check_n_or_schedule(n: Any) -> int | Any:
+    """Returns `n` (an int >= 1) or a schedule (a callable), else raises."""
+    if callable(n) and not isinstance(n, type):
+        return n
+    return _check_n(n)
+
+
+def _check_weight(weight: Any) -> Any:
+    """Returns `weight`, or raises if a Python number is not finite and >= 0."""
+    if weight is None:
+        return None
+    if isinstance(weight, bool):
+        raise TypeError(
+            "`weight` must be a non-negative number or a scalar tensor. "
+            f"Received: weight={weight!r}."
+        )
+    if isinstance(weight, numbers.Real):
+        if not (weight >= 0 and weight != float("inf")):
+            raise ValueError(
+                "`weight` must be a finite number >= 0 (for example the "
+                f"micro-batch's sample count). Received: weight={weight!r}."
+            )
+        return float(weight)
+    shape = getattr(weight, "shape", None)
+    if shape is None:
+        raise TypeError(
+            "`weight` must be a non-negative number or a scalar tensor. "
+            f"Received: {weight!r} of type {type(weight).__name__}."
+        )
+    if shape.rank is not None and shape.rank != 0:
+        raise ValueError(
+            f"`weight` must be a scalar. Received a tensor of shape {shape}."
+        )
+    return weight

@@ -8,12 +8,19 @@ update, which variables hold its state, and how does it apply gradients.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import keras
 import tensorflow as tf
 
-from gradaccum.distribution import _tf_variable
+from gradaccum.distribution import (
+    _check_buildable,
+    _check_strategy,
+    _replicas_in_sync,
+    _sum_over_replicas,
+    _tf_variable,
+)
 
 
 class _Keras3Optimizer:
@@ -44,6 +51,8 @@ class _Keras3Optimizer:
         return bool(self.optimizer.built)
 
     def build(self, variables: Sequence[Any]) -> None:
+        _check_strategy(self.strategy(), "optimizer")
+        _check_buildable("optimizer")
         self.optimizer.build(list(variables))
 
     def trainable_variables(self) -> list[Any]:
@@ -63,11 +72,65 @@ class _Keras3Optimizer:
         strategy = getattr(self.optimizer, "_distribution_strategy", None)
         return strategy if strategy is not None else tf.distribute.get_strategy()
 
+    def apply_options(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Extra `apply_gradients` arguments: a Keras 3 optimizer takes none."""
+        if args or kwargs:
+            raise TypeError(
+                "apply_gradients() of a Keras 3 optimizer takes only "
+                "`grads_and_vars`. Received extra arguments: "
+                f"{list(args) + sorted(kwargs)}."
+            )
+        return {}
+
     def apply(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
         self.optimizer.apply(list(grads), list(variables))
 
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's own `apply_gradients` (a loss-scale one's)."""
+        return self.optimizer.apply_gradients(grads_and_vars, *args, **kwargs)
+
+    def apply_accumulated(self, grads: Sequence[Any], variables: Sequence[Any]) -> None:
+        """`apply` for accumulated (dense, per-replica) gradients.
+
+        Under several replicas with clipping set, clips what one device
+        training on the large batch would clip (see `_clip_across_replicas`).
+        """
+        grads = list(grads)
+        replicas = _replicas_in_sync()
+        if replicas > 1 and self._clips():
+            grads = self._clip_across_replicas(grads, replicas)
+        self.optimizer.apply(grads, list(variables))
+
+    def _clips(self) -> bool:
+        names = ("clipnorm", "global_clipnorm", "clipvalue")
+        return any(getattr(self.optimizer, name, None) for name in names)
+
+    def _clip_across_replicas(self, grads: list[Any], replicas: int) -> list[Any]:
+        """Clips the gradient summed over replicas, as one device would.
+
+        Keras clips each replica's share of the gradient before its
+        all-reduce, so with several replicas it clips a different vector
+        than training on one device does. Summing first, clipping with the
+        optimizer's own rule, and handing each replica `1 / replicas` of the
+        result makes the optimizer's all-reduce rebuild the clipped sum; its
+        own clipping then leaves the (already small enough) shares alone.
+        Costs one more all-reduce per step, only when clipping is set.
+        """
+        summed = _sum_over_replicas(grads)
+        scale = getattr(self.optimizer, "loss_scale_factor", None)
+        if scale is not None:
+            summed = [g / scale for g in summed]
+        clipped = self.optimizer._clip_gradients(summed)
+        if scale is not None:
+            clipped = [g * scale for g in clipped]
+        return [g / replicas for g in clipped]
+
     @property
     def iterations(self) -> Any:
+        return self.optimizer.iterations
+
+    def apply_gradients_result(self) -> Any:
+        """What `apply_gradients` returns: the optimizer's `iterations`."""
         return self.optimizer.iterations
 
 
@@ -80,7 +143,18 @@ def _register(adapter: type) -> None:
         _ADAPTERS.append(adapter)
 
 
+def _load_optional_families() -> None:
+    """Registers the adapters of optimizer families already imported.
+
+    `tf_keras` is imported only by its users; its adapters are loaded once it
+    is, so `import gradaccum` never imports it.
+    """
+    if "tf_keras" in sys.modules:
+        import gradaccum.legacy  # noqa: F401  (registers its adapters)
+
+
 def _adapter_for(optimizer: Any) -> Any | None:
+    _load_optional_families()
     for adapter in _ADAPTERS:
         if adapter.accepts(optimizer):
             return adapter(optimizer)
@@ -88,5 +162,6 @@ def _adapter_for(optimizer: Any) -> Any | None:
 
 
 def _families() -> str:
+    _load_optional_families()
     return ", ".join(a.family for a in _ADAPTERS)
 

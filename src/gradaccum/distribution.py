@@ -54,6 +54,17 @@ def _replica_local(initial: tf.Tensor, name: str, colocate_with=None) -> tf.Vari
         )
 
 
+def _local_copy(variable: tf.Variable) -> tf.Variable:
+    """This replica's own copy of a replica-local variable (else `variable`).
+
+    Replica-local (`ON_READ`) variables refuse scatter updates; the copy on
+    the current replica's device takes them.
+    """
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return variable._get_on_device_or_primary()
+    return variable
+
+
 def _mirrored_counter(initial: int, name: str, dtype=tf.int64) -> tf.Variable:
     """A scalar every replica holds and advances identically."""
     return tf.Variable(
@@ -77,6 +88,64 @@ def _in_cross_replica(
     return tf.__internal__.distribute.interim.maybe_merge_call(
         fn, strategy, *args
     )
+
+
+def _check_strategy(owner: tf.distribute.Strategy, what: str) -> None:
+    """Raises if a strategy scope other than `owner`'s is active.
+
+    Keras creates an optimizer's step counter when the optimizer is created
+    and its slots under the strategy it was created in, so an optimizer made
+    outside `strategy.scope()` cannot be built for variables made inside it.
+    """
+    if not tf.distribute.has_strategy():
+        return
+    active = tf.distribute.get_strategy()
+    if owner is None or active is owner:
+        return
+    if type(owner).__name__ == "_DefaultDistributionStrategy":
+        created = "outside any `tf.distribute` strategy scope"
+    else:
+        created = f"under another {type(owner).__name__}"
+    raise ValueError(
+        f"`{what}` was created {created} but is used under "
+        f"{type(active).__name__}. Create the optimizer inside the "
+        "`strategy.scope()` that creates the model (wrapping it with "
+        "`accumulate()` may happen inside or outside that scope)."
+    )
+
+
+def _check_buildable(what: str) -> None:
+    """Raises if variables cannot be created here: replica context in a graph.
+
+    Keras optimizers cannot create their slots inside `strategy.run` within a
+    `tf.function` when there are several replicas (the variable initialisers
+    end up in the function's graph); it fails later with an unrelated-looking
+    graph error.
+    """
+    if (
+        tf.distribute.has_strategy()
+        and not tf.distribute.in_cross_replica_context()
+        and not tf.executing_eagerly()
+        and _replicas_in_sync() > 1
+    ):
+        raise ValueError(
+            f"`{what}` is not built yet and cannot be built inside "
+            "`strategy.run` in a `tf.function`. Build it before the training "
+            "loop: call `optimizer.build(model.trainable_variables)` inside "
+            "`strategy.scope()`."
+        )
+
+
+def _replicas_in_sync() -> int:
+    """Replicas taking part in the current replica context (1 outside one)."""
+    context = tf.distribute.get_replica_context()
+    return context.num_replicas_in_sync if context is not None else 1
+
+
+def _sum_over_replicas(values: list[tf.Tensor]) -> list[tf.Tensor]:
+    """All-reduces `values` (dense tensors) by summation across replicas."""
+    context = tf.distribute.get_replica_context()
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, values)
 
 
 def _assign_each(

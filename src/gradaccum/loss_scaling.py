@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import keras
 
+from gradaccum.adapters import _load_optional_families
+
 # Loss-scale wrapper classes and the attribute that holds their inner
 # optimizer. Other optimizer families add theirs with `_register`.
 _WRAPPERS: list[tuple[Callable[[Any], bool], str]] = [
@@ -37,6 +39,7 @@ def _register(accepts: Callable[[Any], bool], inner_attribute: str) -> None:
 
 def _inner_attribute(optimizer: Any) -> str | None:
     """The inner-optimizer attribute if `optimizer` is a loss-scale wrapper."""
+    _load_optional_families()  # they register their wrappers here
     for accepts, attribute in _WRAPPERS:
         if accepts(optimizer):
             return attribute

@@ -9,9 +9,19 @@ import keras
 import tensorflow as tf
 import wrapt
 
-from gradaccum._validation import _check_n, _check_reduction
+from gradaccum._validation import (
+    _check_n,
+    _check_n_or_schedule,
+    _check_reduction,
+    _check_weight,
+)
 from gradaccum.adapters import _adapter_for, _families
-from gradaccum.distribution import _creation_scope, _mirrored_counter, _replica_local
+from gradaccum.distribution import (
+    _creation_scope,
+    _local_copy,
+    _mirrored_counter,
+    _replica_local,
+)
 from gradaccum.loss_scaling import _inner_attribute, _install
 from gradaccum.masking import _masked_update
 from gradaccum.serialization import (
@@ -82,13 +92,17 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
 
     Args:
         optimizer: The Keras optimizer instance to wrap.
-        n: Number of micro-batches per update, an int >= 1.
-        reduction: `"mean"` applies the mean of the `n` micro-gradients (for
-            mean-reduced losses), `"sum"` applies their sum.
+        n: Micro-batches per update: an int >= 1, or a schedule, a callable
+            that takes the number of applied updates (an int64 tensor) and
+            returns the int for the next cycle; it runs inside the graph on
+            every micro-step, so it must be written with TensorFlow ops (for
+            example `lambda step: tf.where(step < 100, 2, 8)`).
+        reduction: `"mean"` applies the (weighted) mean of the micro-gradients
+            (for mean-reduced losses), `"sum"` their (weighted) sum.
 
     Raises:
-        TypeError: If `optimizer` is not a Keras optimizer or `n` is not an
-            int.
+        TypeError: If `optimizer` is not a Keras optimizer or `n` is neither
+            an int nor a callable.
         ValueError: If `n < 1`, `reduction` is unknown, or `optimizer`
             already accumulates gradients.
     """
@@ -96,7 +110,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     def __init__(
         self,
         optimizer: keras.optimizers.Optimizer,
-        n: int,
+        n: int | Callable[[tf.Tensor], Any],
         reduction: str = "mean",
         *,
         _adopt: bool = False,
@@ -110,12 +124,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             if not isinstance(adopted, AccumulatingOptimizer):
                 adopted = None
         adapter = _adapter_for(optimizer) if adopted is not None else _check_optimizer(optimizer)
-        n = _check_n(n)
+        n = _check_n_or_schedule(n)
         reduction = _check_reduction(reduction)
         super().__init__(optimizer)
         self._self_adapter = adapter
-        self._self_n = n
-        self._self_reduction = reduction
         # Where the accumulation happens: this proxy, or for a loss-scale
         # optimizer an AccumulatingOptimizer installed as its inner optimizer.
         self._self_core: AccumulatingOptimizer = self
@@ -129,26 +141,62 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 lambda inner: AccumulatingOptimizer(inner, n, reduction=reduction),
             )
             return
+        self._self_schedule = None if isinstance(n, int) else n
+        self._self_n = n if isinstance(n, int) else None
+        self._self_n_variable: tf.Variable | None = None
+        self._self_reduction = reduction
         self._self_state: _AccumulationState | None = None
         self._self_variables: list[Any] = []
         self._self_index: dict[Any, int] = {}
         # Indices of variables that have received a gradient: they take part
         # in every update from then on (zeros on micro-steps without one).
         self._self_seen: set[int] = set()
+        # Whether any micro-batch was given a weight (decided while tracing).
+        self._self_weighted = False
+        # A weight handed over by an outer loss-scale proxy for the next call.
+        self._self_pending_weight: Any = None
+        # Extra `apply_gradients` arguments of the latest call (tf_keras).
+        self._self_apply_options: dict[str, Any] = {}
         if adapter.built:
             self._build_state(adapter.trainable_variables())
 
     # ------------------------------------------------------------------
-    # Own read-only properties.
+    # Own properties.
 
     @property
-    def n(self) -> int:
-        """Number of micro-batches accumulated per applied update."""
-        return self._self_core._self_n
+    def n(self) -> int | Callable[[tf.Tensor], Any]:
+        """Micro-batches per applied update: an int, or the schedule given.
+
+        Set it to an int between cycles (`opt.n = 8`); the change needs no
+        retracing, except to or from `n=1`: with `n=1` gradients go straight
+        to the wrapped optimizer, and a `tf.function` traced then keeps doing
+        so, so trace it anew after such a change. Set mid-cycle, the current
+        cycle ends on the first micro-step at which it holds at least the new
+        `n` micro-batches, and applies the mean over all of them.
+
+        Raises:
+            TypeError/ValueError: When set to anything but an int >= 1, or
+                when `n` was given as a schedule.
+        """
+        core = self._self_core
+        return core._self_schedule if core._self_schedule is not None else core._self_n
+
+    @n.setter
+    def n(self, value: int) -> None:
+        core = self._self_core
+        if core._self_schedule is not None:
+            raise ValueError(
+                "`n` was given as a schedule (a callable); it cannot be set to "
+                "an int afterwards. Let the schedule return the new value."
+            )
+        value = _check_n(value)
+        core._self_n = value
+        if core._self_n_variable is not None:
+            core._self_n_variable.assign(value)
 
     @property
     def reduction(self) -> str:
-        """`"mean"` or `"sum"`: how the `n` micro-gradients are combined."""
+        """`"mean"` or `"sum"`: how the micro-gradients are combined."""
         return self._self_core._self_reduction
 
     @property
@@ -160,14 +208,33 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         return tf.identity(state.micro_step)
 
     @property
+    def will_apply(self) -> tf.Tensor:
+        """Boolean tensor: the next micro-step applies an update."""
+        core = self._self_core
+        return core.micro_step + 1 >= core._current_n()
+
+    @property
     def built(self) -> bool:
         if self._self_core is not self:
-            return bool(self.__wrapped__.built)
+            return self._self_core.built
         return self._self_adapter.built and self._self_state is not None
 
     @built.setter
     def built(self, value: bool) -> None:
         self.__wrapped__.built = value
+
+    def _current_n(self) -> tf.Tensor:
+        """`n` for the current cycle, as an int64 tensor."""
+        if self._self_schedule is not None:
+            n = tf.cast(self._self_schedule(self._self_adapter.iterations), tf.int64)
+            if tf.executing_eagerly() and int(n) < 1:
+                raise ValueError(
+                    f"The `n` schedule returned {int(n)}; it must return an int >= 1."
+                )
+            return tf.maximum(n, 1)
+        if self._self_n_variable is None:
+            return tf.constant(self._self_n, dtype=tf.int64)
+        return self._self_n_variable.read_value()
 
     # ------------------------------------------------------------------
     # Building.
@@ -179,7 +246,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             variables: The trainable variables the optimizer will update.
         """
         if self._self_core is not self:
-            self.__wrapped__.build(list(variables))
+            # The wrapper's own `build` if it has one (a tf_keras
+            # OptimizerV2 has none): it builds the core and its own state.
+            build = getattr(self.__wrapped__, "build", None) or self._self_core.build
+            build(list(variables))
             return
         adapter = self._self_adapter
         if not adapter.built:
@@ -199,10 +269,17 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 for v in variables
             ]
             micro_step = _mirrored_counter(0, name="micro_step")
+            weight_total = _replica_local(tf.constant(0.0), name="weight_total")
+            if self._self_schedule is None:
+                self._self_n_variable = _mirrored_counter(self._self_n, name="n")
         self._self_variables = variables
         self._self_index = {adapter.var_key(v): i for i, v in enumerate(variables)}
+
+        def n_code() -> int:  # what checkpoints record: 0 for a schedule
+            return 0 if self._self_schedule is not None else self._self_n
+
         self._self_state = _AccumulationState(
-            accumulators, micro_step, self._self_n, self._self_reduction
+            accumulators, micro_step, weight_total, n_code, self._self_reduction
         )
         self._restore_deferred_state()
 
@@ -226,26 +303,81 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     # ------------------------------------------------------------------
     # Applying.
 
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]]) -> Any:
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Any, Any]],
+        weight: Any = None,
+        **kwargs: Any,
+    ) -> Any:
         """Accumulates one micro-batch of gradients; applies every `n`-th.
 
         Args:
             grads_and_vars: `(gradient, variable)` pairs. A gradient may be
                 `None` (counted as zeros) or a `tf.IndexedSlices`.
+            weight: Optional weight of this micro-batch (a number >= 0 or a
+                scalar tensor), for example its sample or token count. The
+                update applies `sum(w_i * g_i) / sum(w_i)` (`"mean"`) or
+                `sum(w_i * g_i)` (`"sum"`); omitted, every micro-batch weighs 1.
+            **kwargs: Further keyword arguments of the wrapped optimizer's
+                `apply_gradients` (a tf_keras optimizer's `name`,
+                `skip_gradients_aggregation`,
+                `experimental_aggregate_gradients`), passed to it on the
+                applied update. A Keras 3 optimizer takes none.
 
         Returns:
-            The wrapped optimizer's `iterations` (applied updates).
+            What the wrapped optimizer's `apply_gradients` returns: its
+            `iterations` (applied updates), or for a tf_keras OptimizerV2
+            traced in a graph an op.
+
+        Raises:
+            TypeError: If a keyword argument is not one the wrapped
+                optimizer's `apply_gradients` takes; see also `apply()`.
+            ValueError: See `apply()`.
         """
         if self._self_core is not self:
-            return self.__wrapped__.apply_gradients(grads_and_vars)
+            return self._through_wrapper(
+                weight, self._self_adapter.apply_gradients, grads_and_vars, **kwargs
+            )
+        options = self._self_adapter.apply_options(**kwargs)
         pairs = list(grads_and_vars)
         if pairs:
             grads, variables = zip(*pairs)
-            self.apply(grads, variables)
-        return self._self_adapter.iterations
+            self._apply(grads, variables, weight, options)
+        return self._self_adapter.apply_gradients_result()
+
+    def minimize(self, loss: Any, var_list: Any, *args: Any, **kwargs: Any) -> Any:
+        """Computes the gradients of `loss` and accumulates them.
+
+        The `minimize` of a tf_keras optimizer (which its `Model.fit` calls),
+        with the gradients going through this optimizer's `apply_gradients`.
+
+        Args:
+            loss: The loss tensor (with `tape`) or a callable returning it.
+            var_list: The variables to minimize `loss` for.
+            *args: The wrapped optimizer's further `minimize` arguments
+                (`tape`, ...).
+            **kwargs: The same, by name.
+
+        Returns:
+            What the wrapped optimizer's `minimize` returns.
+
+        Raises:
+            AttributeError: If the wrapped optimizer has no `minimize`
+                (Keras 3).
+        """
+        minimize = getattr(self._self_adapter, "minimize", None)
+        if minimize is None:
+            raise AttributeError(
+                f"{type(self.__wrapped__).__name__!r} object has no attribute "
+                "'minimize'"
+            )
+        return minimize(self, loss, var_list, *args, **kwargs)
 
     def apply(
-        self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None = None,
+        weight: Any = None,
     ) -> None:
         """Accumulates one micro-batch of gradients; applies every `n`-th.
 
@@ -253,14 +385,33 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             grads: One gradient per variable (`None` counts as zeros).
             trainable_variables: The variables, in the order of `grads`; if
                 omitted, those the optimizer was built with.
+            weight: Optional weight of this micro-batch; see `apply_gradients`.
 
         Raises:
+            TypeError: If `weight` is not a number or scalar tensor.
             ValueError: If a variable is not one the optimizer was built for,
-                if `grads` does not match the built variables, or if every
-                gradient is `None`.
+                if `grads` does not match the built variables, if every
+                gradient is `None`, or if `weight` is negative or not finite.
         """
         if self._self_core is not self:
-            return self.__wrapped__.apply(grads, trainable_variables)
+            return self._through_wrapper(
+                weight, self.__wrapped__.apply, grads, trainable_variables
+            )
+        self._apply(grads, trainable_variables, weight, {})
+
+    def _apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None,
+        weight: Any,
+        options: dict[str, Any],
+    ) -> None:
+        # The wrapped optimizer's extra `apply_gradients` arguments, for the
+        # update this cycle ends with (also when `flush()` ends it).
+        self._self_apply_options = options
+        weight = _check_weight(weight)
+        if weight is None:
+            weight, self._self_pending_weight = self._self_pending_weight, None
         grads = list(grads)
         if trainable_variables is None:
             if not self.built:
@@ -291,41 +442,91 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 "No gradients provided for any variable (every gradient is "
                 "None)."
             )
-        if self._self_n == 1:
+        if self._self_n == 1 and weight is None and not self._self_seen:
             # Every micro-batch is a whole batch: hand the gradients over as
-            # they are. Accumulating first would densify `IndexedSlices` and
-            # sum repeated rows before the optimizer sees them, which Keras
-            # does not do (it applies repeated rows one by one), and would
-            # give previously seen variables zeros instead of skipping them.
-            self._self_adapter.apply(grads, trainable_variables)
+            # they are. Accumulating first would densify `IndexedSlices`
+            # (summing repeated rows, which Keras applies one by one) and give
+            # variables without a gradient zeros instead of skipping them.
+            # (Once anything was accumulated, with another `n` set before,
+            # the accumulating path below finishes that cycle instead.)
+            self._self_adapter.apply(
+                grads, trainable_variables, **self._self_apply_options
+            )
             return
-        self._accumulate_and_apply(grads, indices)
-
-    def _accumulate_and_apply(self, grads: list[Any], indices: list[int]) -> None:
-        adapter = self._self_adapter
+        self._accumulate(grads, indices, weight)
         state = self._self_state
+        count = state.micro_step.read_value() + 1
+        self._finish_cycle_if(count >= self._current_n(), count)
+
+    def flush(self) -> None:
+        """Applies what the current cycle holds now, if it holds anything.
+
+        The update is the (weighted) mean over the micro-batches actually
+        accumulated (or their sum, for `reduction="sum"`); the cycle then
+        starts afresh. With an empty cycle nothing changes. Usable eagerly
+        and inside `tf.function`.
+        """
+        core = self._self_core
+        if core is not self:
+            return core.flush()
+        if self._self_state is None or not self._self_seen:
+            return
+        strategy = self._self_adapter.strategy()
+        in_replica = tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+        if strategy.num_replicas_in_sync > 1 and not in_replica:
+            # Each replica flushes its own share, as on a micro-step.
+            with strategy.scope():
+                strategy.run(self._flush_here)
+            return
+        self._flush_here()
+
+    def _flush_here(self) -> None:
+        count = self._self_state.micro_step.read_value()
+        self._finish_cycle_if(count > 0, count)
+
+    def _through_wrapper(
+        self, weight: Any, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """Calls the loss-scale optimizer, handing `weight` to the core."""
+        self._self_core._self_pending_weight = _check_weight(weight)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self._self_core._self_pending_weight = None
+
+    def _accumulate(self, grads: list[Any], indices: list[int], weight: Any) -> None:
+        state = self._self_state
+        if weight is not None:
+            self._self_weighted = True
+            weight = tf.cast(weight, tf.float32)
         for g, i in zip(grads, indices):
             if g is None:
                 continue
             acc = state.accumulators[i]
+            w = None if weight is None else tf.cast(weight, acc.dtype)
             if isinstance(g, tf.IndexedSlices):
-                acc.scatter_add(
-                    tf.IndexedSlices(
-                        tf.cast(g.values, acc.dtype), g.indices, g.dense_shape
-                    )
+                values = tf.cast(g.values, acc.dtype)
+                values = values if w is None else values * w
+                _local_copy(acc).scatter_add(
+                    tf.IndexedSlices(values, g.indices, g.dense_shape)
                 )
             else:
-                acc.assign_add(tf.cast(g, acc.dtype))
+                g = tf.cast(g, acc.dtype)
+                acc.assign_add(g if w is None else g * w)
             self._self_seen.add(i)
+        state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
 
-        step = state.micro_step.read_value() + 1
-        keep_new = step >= self._self_n
+    def _finish_cycle_if(self, keep_new: tf.Tensor, count: tf.Tensor) -> None:
+        """Runs the masked update; on `keep_new`, keeps it and clears the cycle."""
+        adapter = self._self_adapter
+        state = self._self_state
         included = sorted(self._self_seen)
+        self._check_left_out(keep_new, included)
         accumulated = [state.accumulators[i].read_value() for i in included]
         variables = [self._self_variables[i] for i in included]
-        denominator = self._self_n if self._self_reduction == "mean" else 1
+        divisor = self._mean_divisor()
         update_grads = [
-            tf.cast(a / denominator, tf.as_dtype(v.dtype))
+            tf.cast(a if divisor is None else a / tf.cast(divisor, a.dtype), tf.as_dtype(v.dtype))
             for a, v in zip(accumulated, variables)
         ]
         tracked = adapter.state_variables()
@@ -333,15 +534,70 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         # update: with `ema_overwrite_frequency` Keras overwrites all of them
         # with their moving averages, gradient or not.
         tracked += [adapter.model_variable(v) for v in self._self_variables]
+        options = self._self_apply_options
         _masked_update(
             adapter.strategy(),
             keep_new,
             tracked,
-            lambda: adapter.apply(update_grads, variables),
+            lambda: adapter.apply_accumulated(update_grads, variables, **options),
         )
         for i, a in zip(included, accumulated):
             state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))
-        state.micro_step.assign(tf.where(keep_new, tf.zeros_like(step), step))
+        total = state.weight_total.read_value()
+        state.weight_total.assign(tf.where(keep_new, tf.zeros_like(total), total))
+        state.micro_step.assign(tf.where(keep_new, tf.zeros_like(count), count))
+
+    def _check_left_out(self, keep_new: tf.Tensor, included: list[int]) -> None:
+        """Refuses to drop gradients a traced step cannot see.
+
+        Which variables take part in an update is decided while a step is
+        traced, from the variables that have received gradients so far. A
+        `tf.function` traced before some variable first received a gradient
+        (for example one trace per task in multi-task training) leaves it out;
+        if it then runs an apply step while that variable has accumulated
+        gradients, they would be neither applied nor cleared. That raises
+        instead. Eager steps always see every variable.
+        """
+        if tf.executing_eagerly():
+            return
+        left_out = [i for i in range(len(self._self_variables)) if i not in self._self_seen]
+        if not left_out:
+            return
+        accumulators = self._self_state.accumulators
+        pending = tf.reduce_any(
+            tf.stack([tf.reduce_any(tf.not_equal(accumulators[i], 0)) for i in left_out])
+        )
+        names = [getattr(self._self_variables[i], "path", str(i)) for i in left_out]
+        tf.debugging.Assert(
+            tf.logical_not(tf.logical_and(keep_new, pending)),
+            [
+                "gradaccum: this traced step was traced before variables "
+                f"{names} first received gradients, and leaves them out of the "
+                "update, but they hold accumulated gradients now. Trace every "
+                "step after each variable has received a gradient once (for "
+                "example run one step per task eagerly first), or trace this "
+                "step anew (a new tf.function)."
+            ],
+        )
+
+    def _mean_divisor(self) -> tf.Tensor | None:
+        """What the accumulated sum is divided by (None for `"sum"`).
+
+        Unweighted, each replica divides its sum by its own micro-batch count
+        and the wrapped optimizer's all-reduce adds the replicas' shares, as
+        in plain training. Weighted, the divisor is the weight total over all
+        replicas (one scalar all-reduce) divided by the replica count, since
+        Keras already scales every replica's loss by 1 / replicas.
+        """
+        if self._self_reduction == "sum":
+            return None
+        total = self._self_state.weight_total.read_value()
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        context = tf.distribute.get_replica_context()
+        if self._self_weighted and replicas > 1 and context is not None:
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, total) / float(replicas)
+        # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
+        return tf.where(total > 0, total, tf.ones_like(total))
 
     def __repr__(self) -> str:
         position = "?"
@@ -356,7 +612,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
 
 def accumulate(
     optimizer: keras.optimizers.Optimizer | None = None,
-    n: int | None = None,
+    n: int | Callable[[tf.Tensor], Any] | None = None,
     *,
     reduction: str = "mean",
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -370,18 +626,22 @@ def accumulate(
     Args:
         optimizer: A Keras optimizer instance. Omit it to get a decorator for
             an optimizer class or factory function.
-        n: Number of micro-batches per applied update, an int >= 1.
+        n: Micro-batches per applied update: an int >= 1, or a schedule (a
+            callable of the applied-update count returning the int for the next
+            cycle, written with TensorFlow ops; see `AccumulatingOptimizer`).
         reduction: `"mean"` (default) applies the mean of the micro-batch
             gradients, as training on the large batch with a mean-reduced loss
-            does; `"sum"` applies their sum (for sum-reduced losses).
+            does; `"sum"` applies their sum (for sum-reduced losses). Weighted
+            micro-batches (`apply_gradients(..., weight=w)`) give the weighted
+            mean or sum.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
         without `optimizer`, a decorator whose result builds one per call.
 
     Raises:
-        TypeError: If `n` is missing or not an int, or `optimizer` is not a
-            Keras optimizer.
+        TypeError: If `n` is missing or neither an int nor a callable, or
+            `optimizer` is not a Keras optimizer.
         ValueError: If `n < 1`, `reduction` is unknown, or `optimizer`
             already accumulates gradients.
     """
@@ -389,7 +649,7 @@ def accumulate(
         raise TypeError(
             "accumulate() requires `n`, the number of micro-batches per update."
         )
-    n = _check_n(n)
+    n = _check_n_or_schedule(n)
     reduction = _check_reduction(reduction)
     if optimizer is not None:
         return AccumulatingOptimizer(optimizer, n, reduction=reduction)

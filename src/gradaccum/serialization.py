@@ -36,27 +36,41 @@ _REGISTERED_NAME = "gradaccum>AccumulatingOptimizer"
 
 
 class _AccumulationState(tf.Module):
-    """The variables a proxy owns, and the settings they were written with."""
+    """The variables a proxy owns, and the settings they were written with.
+
+    Args:
+        accumulators: One replica-local sum of weighted gradients per variable.
+        micro_step: Micro-batches accumulated in the current cycle (mirrored).
+        weight_total: Replica-local sum of the micro-batch weights.
+        n: Returns the current `n` (an int), 0 for a schedule.
+        reduction: `"mean"` or `"sum"`.
+    """
 
     def __init__(
         self,
         accumulators: list[tf.Variable],
         micro_step: tf.Variable,
-        n: int,
+        weight_total: tf.Variable,
+        n: Any,
         reduction: str,
     ):
         super().__init__(name="gradient_accumulation")
         self.accumulators = accumulators
         self.micro_step = micro_step
-        self._n = n
+        self.weight_total = weight_total
+        self._current_n = n
         self._reduction = reduction
+
+    @property
+    def _n(self) -> int:
+        return int(self._current_n())
+
+    def _n_tensor(self) -> tf.Tensor:
+        return tf.constant(self._current_n(), dtype=tf.int64)
 
     # Written beside the variables; checked when read back.
     def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
-        return {
-            "n": tf.constant(self._n, dtype=tf.int64),
-            "reduction": tf.constant(self._reduction),
-        }
+        return {"n": self._n_tensor(), "reduction": tf.constant(self._reduction)}
 
     def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
         n, reduction = restored_tensors["n"], restored_tensors["reduction"]
@@ -66,10 +80,12 @@ class _AccumulationState(tf.Module):
         # Traced restore functions (SavedModel) check in the graph.
         return tf.group(
             tf.debugging.assert_equal(
-                n, tf.constant(self._n, tf.int64), message="gradient accumulation: n differs"
+                n, self._n_tensor(), message="gradient accumulation: n differs"
             ),
             tf.debugging.assert_equal(
-                reduction, tf.constant(self._reduction), message="gradient accumulation: reduction differs"
+                reduction,
+                tf.constant(self._reduction),
+                message="gradient accumulation: reduction differs",
             ),
         )
 
@@ -77,6 +93,7 @@ class _AccumulationState(tf.Module):
         store[f"{_KEY}n"] = np.asarray(self._n, dtype=np.int64)
         store[f"{_KEY}reduction"] = np.asarray(_REDUCTION_CODES[self._reduction])
         store[f"{_KEY}micro_step"] = np.asarray(self.micro_step.numpy())
+        store[f"{_KEY}weight_total"] = np.asarray(self.weight_total.numpy())
         for i, acc in enumerate(self.accumulators):
             store[f"{_KEY}accumulator_{i}"] = np.asarray(acc.numpy())
 
@@ -102,6 +119,12 @@ class _AccumulationState(tf.Module):
                 )
             acc.assign(_per_replica_share(value))
         self.micro_step.assign(int(np.asarray(store[f"{_KEY}micro_step"])))
+        if f"{_KEY}weight_total" in store.keys():
+            self.weight_total.assign(_per_replica_share(np.asarray(store[f"{_KEY}weight_total"])))
+        else:  # written before weights existed: every micro-batch weighed 1
+            self.weight_total.assign(
+                _per_replica_share(np.asarray(self.micro_step.numpy(), np.float32))
+            )
 
 
 _REDUCTION_CODES = {"mean": 0, "sum": 1}
@@ -113,13 +136,18 @@ def _per_replica_share(total: np.ndarray) -> np.ndarray:
     return total / replicas if replicas > 1 else total
 
 
+def _describe_n(n: int) -> str:
+    return "a schedule" if n == 0 else f"n={n}"
+
+
 def _check_settings(saved_n: int, saved_reduction: str, n: int, reduction: str) -> None:
     if saved_n != n:
         raise ValueError(
-            f"The checkpoint's gradient-accumulation state was written with "
-            f"n={saved_n}, but this optimizer accumulates n={n} micro-batches. "
-            f"Wrap the optimizer with n={saved_n} to resume this cycle, or "
-            "restore into the plain optimizer to drop the partial cycle."
+            "The checkpoint's gradient-accumulation state was written with "
+            f"{_describe_n(saved_n)}, but this optimizer accumulates with "
+            f"{_describe_n(n)}. Wrap the optimizer the same way to resume "
+            "this cycle, or restore into the plain optimizer to drop the "
+            "partial cycle."
         )
     if saved_reduction != reduction:
         raise ValueError(
@@ -185,9 +213,11 @@ class _Saveable:
     def _serialized(self) -> dict:
         from keras.src.saving import serialization_lib
 
+        n = self.n
         config = {
             "optimizer": serialization_lib.serialize_keras_object(self.__wrapped__),
-            "n": self.n,
+            # A schedule is serialized as Keras serializes any function.
+            "n": n if isinstance(n, int) else serialization_lib.serialize_keras_object(n),
             "reduction": self.reduction,
         }
         return {
@@ -222,9 +252,12 @@ class _Saveable:
         inner = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects
         )
+        n = config["n"]
+        if not isinstance(n, int):
+            n = keras.saving.deserialize_keras_object(n, custom_objects=custom_objects)
         return cls(
             inner,
-            config["n"],
+            n,
             reduction=config.get("reduction", "mean"),
             _adopt=True,
         )

@@ -1,0 +1,294 @@
+"""Adapters for legacy Keras 2 (`tf_keras`) optimizers.
+
+Two optimizer families ship with `tf_keras`:
+
+- `tf_keras.optimizers.Optimizer`, the optimizer introduced in Keras 2.11
+  (`tf_keras.optimizers.Adam`, ...), and
+- `tf_keras.optimizers.legacy.Optimizer` (`OptimizerV2`), whose updates run
+  in fused kernels (`ResourceApplyAdam`, ...) on the raw variable handles.
+
+Neither exposes a hook around its variable writes, and none is needed: the
+masked update in `gradaccum.masking` reads every variable an update can
+touch before the update and selects between old and new values after it, so
+fused kernels, weight decay, EMA and constraints are all rolled back alike on
+the in-between micro-steps.
+
+This module imports `tf_keras`; `gradaccum.adapters` loads it only once
+`tf_keras` has been imported by someone else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import tensorflow as tf
+import tf_keras
+import wrapt
+from tf_keras.src.mixed_precision.autocast_variable import AutoCastVariable
+from tf_keras.src.optimizers.legacy import optimizer_v2
+
+from gradaccum import loss_scaling
+from gradaccum.adapters import _register
+from gradaccum.distribution import _in_cross_replica
+
+_NewOptimizer = tf_keras.optimizers.Optimizer
+_OptimizerV2 = tf_keras.optimizers.legacy.Optimizer
+# Both loss-scale optimizers (around either family) subclass this one.
+_LossScaleOptimizers = tf_keras.mixed_precision.LossScaleOptimizer
+
+
+class _UncountedIterations(wrapt.ObjectProxy):
+    """`iterations` whose `assign_add` does nothing (see `_UncountedSkips`)."""
+
+    def assign_add(
+        self,
+        delta: Any,
+        use_locking: Any = None,
+        name: Any = None,
+        read_value: bool = True,
+    ) -> Any:
+        if read_value:
+            return self.__wrapped__.read_value()
+        return tf.no_op()
+
+
+class _UncountedSkips(wrapt.ObjectProxy):
+    """The accumulating core as a tf_keras loss-scale optimizer's inner one.
+
+    The only write a tf_keras loss-scale optimizer makes to its inner
+    optimizer is `inner.iterations.assign_add(1)` when it skips a step for
+    non-finite gradients. Seen through this proxy that write does nothing,
+    so a dropped micro-batch leaves `iterations` as it was; everything else
+    reaches the core.
+    """
+
+    @property
+    def iterations(self) -> Any:
+        return _UncountedIterations(self.__wrapped__.iterations)
+
+
+def _raw_variable(variable: Any) -> Any:
+    """The variable an update writes: the one inside an `AutoCastVariable`."""
+    if isinstance(variable, AutoCastVariable):
+        return variable._variable
+    return variable
+
+
+def _variable_name(variable: Any) -> str:
+    return getattr(variable, "name", repr(variable))
+
+
+class _TfKerasAdapter:
+    """What both `tf_keras` optimizer families share."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+        # The variables this adapter has built the optimizer for, in order.
+        # A `tf_keras` optimizer does not keep that list itself.
+        self._variables: list[Any] | None = None
+
+    @classmethod
+    def accepts(cls, optimizer: Any) -> bool:
+        # A loss-scale optimizer belongs to the family it subclasses; the
+        # proxy accumulates on its inner optimizer (`gradaccum.loss_scaling`).
+        return isinstance(optimizer, cls._base)
+
+    def check(self) -> None:
+        """Raises if the optimizer cannot be wrapped."""
+
+    @property
+    def built(self) -> bool:
+        return self._variables is not None
+
+    def trainable_variables(self) -> list[Any]:
+        return list(self._variables or [])
+
+    def model_variable(self, variable: Any) -> tf.Variable:
+        return _raw_variable(variable)
+
+    @property
+    def iterations(self) -> Any:
+        return self.optimizer.iterations
+
+    def apply_gradients_result(self) -> Any:
+        return self.optimizer.iterations
+
+    def apply_accumulated(
+        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
+    ) -> None:
+        """`apply` for accumulated gradients.
+
+        Both tf_keras families all-reduce before they clip, so under several
+        replicas they clip the summed gradient, as one device would.
+        """
+        self.apply(grads, variables, **options)
+
+    def apply_options(self, **kwargs: Any) -> dict[str, Any]:
+        """The extra `apply_gradients` keyword arguments, checked."""
+        names = self._apply_options
+        for key in kwargs:
+            if key not in names:
+                raise TypeError(
+                    f"apply_gradients() got an unexpected keyword argument "
+                    f"{key!r}; a {self.family} optimizer takes "
+                    f"{', '.join(f'`{n}`' for n in names)}."
+                )
+        return dict(kwargs)
+
+    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
+        """A loss-scale optimizer's own `apply_gradients`.
+
+        A tf_keras loss-scale optimizer counts a step it skips for non-finite
+        gradients in its inner optimizer's `iterations`. Its inner optimizer
+        is the accumulating core, so that would count a dropped micro-batch
+        as an update; for the duration of this call it sees the core through
+        `_UncountedSkips` instead.
+        """
+        lso = self.optimizer
+        core = lso._optimizer
+        # Plain attribute writes: the loss-scale optimizer's checkpoint
+        # dependencies are its original inner optimizer's, set at creation.
+        object.__setattr__(lso, "_optimizer", _UncountedSkips(core))
+        try:
+            return lso.apply_gradients(grads_and_vars, *args, **kwargs)
+        finally:
+            object.__setattr__(lso, "_optimizer", core)
+
+
+class _TfKerasOptimizer(_TfKerasAdapter):
+    """Adapter for `tf_keras.optimizers.Optimizer` (Keras 2.11+)."""
+
+    family = "tf_keras"
+    _base = _NewOptimizer
+    _build_scope: str | None = None
+
+    def build(self, variables: Sequence[Any]) -> None:
+        opt = self.optimizer
+        variables = list(variables)
+        if getattr(opt, "_built", False):
+            known = opt._index_dict
+            missing = [v for v in variables if opt._var_key(v) not in known]
+            if missing:
+                raise ValueError(
+                    "`optimizer` was built for other variables than the ones "
+                    "it now receives gradients for: "
+                    f"{[_variable_name(v) for v in missing]}. Build a new "
+                    "optimizer for a new set of variables."
+                )
+        elif self._build_scope is None:
+            opt.build(variables)
+        else:
+            # Built by the first `apply_gradients`: as it does, in a name
+            # scope, which names the slots ("Adam/m/dense/kernel").
+            with tf.name_scope(self._build_scope), tf.init_scope():
+                opt.build(variables)
+        self._variables = variables
+
+    def apply_options(self, **kwargs: Any) -> dict[str, Any]:
+        options = super().apply_options(**kwargs)
+        if not self.built:
+            opt = self.optimizer
+            self._build_scope = options.get("name") or opt.name or "optimizer"
+        return options
+
+    def var_key(self, variable: Any) -> Any:
+        return self.optimizer._var_key(variable)
+
+    def state_variables(self) -> list[tf.Variable]:
+        opt = self.optimizer
+        # `variables` misses some state an update writes: the learning rate
+        # `apply_gradients` assigns from its schedule, Nadam's `_u_product`.
+        # Every variable the optimizer holds as an attribute is tracked too.
+        hidden = [v for v in vars(opt).values() if isinstance(v, tf.Variable)]
+        return list(opt.variables) + hidden
+
+    def strategy(self) -> tf.distribute.Strategy:
+        strategy = getattr(self.optimizer, "_distribution_strategy", None)
+        return strategy if strategy is not None else tf.distribute.get_strategy()
+
+    _apply_options = (
+        "name",
+        "skip_gradients_aggregation",
+        "experimental_aggregate_gradients",
+    )
+
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
+    ) -> None:
+        opt = self.optimizer
+        if tf.executing_eagerly() and hasattr(opt, "_u_product_counter"):
+            # Nadam also keeps a Python counter: run eagerly, it says for
+            # which step `_u_product` is already up to date, and it is
+            # `iterations + 1` before every step of plain training. The
+            # masked update rolls the variable back but not the counter.
+            opt._u_product_counter = int(opt.iterations.numpy()) + 1
+        opt.apply_gradients(list(zip(grads, variables)), **options)
+
+    def minimize(
+        self, proxy: Any, loss: Any, var_list: Any, tape: Any = None
+    ) -> None:
+        grads_and_vars = self.optimizer.compute_gradients(loss, var_list, tape)
+        proxy.apply_gradients(grads_and_vars)
+
+
+class _TfKerasOptimizerV2(_TfKerasAdapter):
+    """Adapter for `tf_keras.optimizers.legacy.Optimizer` (OptimizerV2)."""
+
+    family = "tf_keras legacy"
+    _base = _OptimizerV2
+
+    def build(self, variables: Sequence[Any]) -> None:
+        opt = self.optimizer
+        variables = list(variables)
+        # As `apply_gradients` does: creates `iterations`, the
+        # hyperparameter variables and any missing slots.
+        with tf.name_scope(opt._name), tf.init_scope():
+            opt._create_all_weights(variables)
+        self._variables = variables
+
+    def var_key(self, variable: Any) -> Any:
+        return optimizer_v2._var_key(variable)
+
+    def apply_gradients_result(self) -> Any:
+        # As `OptimizerV2.apply_gradients`: an op when traced (a loss-scale
+        # optimizer's `tf.cond` needs one from both branches), made in
+        # cross-replica context so that every replica returns the same one.
+        if tf.executing_eagerly():
+            return self.optimizer.iterations
+        return _in_cross_replica(self.strategy(), lambda strategy: tf.no_op())
+
+    def state_variables(self) -> list[tf.Variable]:
+        # `iterations`, hyperparameters and slots; `variables` is a method.
+        return list(self.optimizer.variables())
+
+    def strategy(self) -> tf.distribute.Strategy:
+        strategy = self.optimizer._distribution_strategy
+        return strategy if strategy is not None else tf.distribute.get_strategy()
+
+    _apply_options = ("name", "experimental_aggregate_gradients")
+
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
+    ) -> None:
+        self.optimizer.apply_gradients(list(zip(grads, variables)), **options)
+
+    def minimize(
+        self,
+        proxy: Any,
+        loss: Any,
+        var_list: Any,
+        grad_loss: Any = None,
+        name: str | None = None,
+        tape: Any = None,
+    ) -> Any:
+        grads_and_vars = self.optimizer._compute_gradients(
+            loss, var_list=var_list, grad_loss=grad_loss, tape=tape
+        )
+        return proxy.apply_gradients(grads_and_vars, name=name)
+
+
+_register(_TfKerasOptimizer)
+_register(_TfKerasOptimizerV2)
+# Both tf_keras loss-scale optimizers hold their inner optimizer in
+# `_optimizer` (`inner_optimizer` is a read-only property).
+loss_scaling._register(lambda o: isinstance(o, _LossScaleOptimizers), "_optimizer")

@@ -1,0 +1,125 @@
+"""Accumulation for training code you do not own: `with accumulating(n=4):`.
+
+Inside the block, every optimizer that `keras.Model.compile` receives is
+wrapped with `accumulate(..., n)` before `compile` sees it. What happens:
+
+- An optimizer instance is wrapped; an identifier (`"adam"`, a config dict)
+  is first resolved with `keras.optimizers.get`. `compile`'s own default
+  (`"rmsprop"`) is received like any other and wrapped too.
+- An optimizer that already accumulates (an `AccumulatingOptimizer`, or a
+  loss-scale optimizer around one) is passed on unchanged: nothing
+  accumulates twice, and its own `n` stands.
+- Nested blocks: the innermost block's `n` and `reduction` apply; leaving it
+  restores the outer block's.
+- Threads: a block applies to the thread that entered it. `compile` called
+  on other threads at the same time is not affected. The patch on
+  `keras.Model.compile` stays installed while any thread is inside a block
+  and is removed when the last one leaves, restoring the original method.
+- Subclasses that override `compile` are covered when they call
+  `super().compile(...)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from typing import Any, Callable, Iterator
+
+import keras
+import wrapt
+
+from gradaccum._validation import _check_n_or_schedule, _check_reduction
+
+_local = threading.local()
+_lock = threading.Lock()
+_installed: dict[str, Any] = {}  # owner class, original attribute, users
+
+
+def _stack() -> list[tuple[Any, str]]:
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def _compile_owner() -> type:
+    for cls in keras.Model.__mro__:
+        if "compile" in vars(cls):
+            return cls
+    raise RuntimeError("keras.Model has no compile method")  # pragma: no cover
+
+
+def _wrapped_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    stack = _stack()
+    if not stack or instance is None:
+        return wrapped(*args, **kwargs)
+    from gradaccum.callbacks import _accumulating
+    from gradaccum.proxy import accumulate
+
+    n, reduction = stack[-1]
+    bound = _SIGNATURE.bind_partial(*args, **kwargs)
+    optimizer = bound.arguments.get("optimizer", "rmsprop")
+    if optimizer is not None and _accumulating(optimizer) is None:
+        bound.arguments["optimizer"] = accumulate(
+            keras.optimizers.get(optimizer), n, reduction=reduction
+        )
+    return wrapped(*bound.args, **bound.kwargs)
+
+
+def _install() -> None:
+    with _lock:
+        if not _installed:
+            owner = _compile_owner()
+            original = vars(owner)["compile"]
+            global _SIGNATURE
+            _SIGNATURE = inspect.signature(original).replace(
+                parameters=list(inspect.signature(original).parameters.values())[1:]
+            )
+            setattr(owner, "compile", wrapt.FunctionWrapper(original, _wrapped_compile))
+            _installed.update(owner=owner, original=original, users=0)
+        _installed["users"] += 1
+
+
+def _uninstall() -> None:
+    with _lock:
+        _installed["users"] -= 1
+        if _installed["users"] == 0:
+            setattr(_installed["owner"], "compile", _installed["original"])
+            _installed.clear()
+
+
+_SIGNATURE: inspect.Signature
+
+
+@contextlib.contextmanager
+def accumulating(n: int | Callable[..., Any], *, reduction: str = "mean") -> Iterator[None]:
+    """Wraps every optimizer given to `keras.Model.compile` in this block.
+
+    ```python
+    with gradaccum.accumulating(n=4):
+        third_party.train(model_config, batch_size=8)   # compiles and fits
+    ```
+
+    Args:
+        n: Micro-batches per update (an int >= 1 or a schedule), as for
+            `accumulate()`.
+        reduction: `"mean"` or `"sum"`, as for `accumulate()`.
+
+    Yields:
+        Nothing; on exit `compile` is restored (see the module docstring for
+        nested blocks, threads and optimizers that already accumulate).
+
+    Raises:
+        TypeError: If `n` is not an int or callable.
+        ValueError: If `n < 1` or `reduction` is unknown.
+    """
+    n = _check_n_or_schedule(n)
+    reduction = _check_reduction(reduction)
+    _install()
+    stack = _stack()
+    stack.append((n, reduction))
+    try:
+        yield
+    finally:
+        stack.pop()
+        _uninstall()

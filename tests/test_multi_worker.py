@@ -1,0 +1,170 @@
+"""MultiWorkerMirroredStrategy, two worker processes on 127.0.0.1.
+
+The test starts two `tests/mwms_worker.py` processes with `TF_CONFIG`
+naming free loopback ports, waits for both under one deadline (killing both
+on timeout or failure), and compares what they trained with the
+single-device large-batch reference computed here: a custom `strategy.run`
+loop against the same loop on one device with batch `B * n`.
+
+`model.fit` does not run under MultiWorkerMirroredStrategy in Keras 3.15,
+with or without accumulation (keras-team/keras#20585). The workers try it;
+the test accepts only that known failure, and checks fit's results against
+the single-device fit reference as soon as Keras runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+import gradaccum
+from tests import mwms_worker as worker
+from tests.dist_support import check_micro_steps, custom_loop
+from tests.support import assert_states_close, fit, full_state, make_mlp
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Both workers import TensorFlow (~7 s each on a loaded machine), connect,
+# and trace two small training functions; normally ~30 s in all.
+DEADLINE_S = 240
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")
+
+
+def _free_loopback_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _worker_env(cluster: dict, index: int) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.lower() not in PROXY_VARIABLES and k != "TF_CONFIG"
+    }
+    # The workers import the same gradaccum and tests package as this process.
+    src = str(Path(gradaccum.__file__).resolve().parent.parent)
+    paths = [src, str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
+    env.update(
+        PYTHONPATH=os.pathsep.join(paths),
+        TF_CONFIG=json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}
+        ),
+        TF_CPP_MIN_LOG_LEVEL="3",
+        CUDA_VISIBLE_DEVICES="",  # one CPU replica per worker
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+    )
+    return env
+
+
+def _run_workers(tmp_path: Path) -> list[dict[str, np.ndarray]]:
+    ports = _free_loopback_ports(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    outputs = [tmp_path / f"worker{i}.npz" for i in range(2)]
+    logs = [tmp_path / f"worker{i}.log" for i in range(2)]
+    procs = []
+    try:
+        for i in range(2):
+            with open(logs[i], "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.mwms_worker", str(outputs[i])],
+                        cwd=REPO_ROOT,
+                        env=_worker_env(cluster, i),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        deadline = time.monotonic() + DEADLINE_S
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+    codes = [p.returncode for p in procs]
+    if codes != [0, 0]:
+        tails = "\n".join(
+            f"--- worker {i} (exit {codes[i]}):\n"
+            + logs[i].read_text(errors="replace")[-3000:]
+            for i in range(2)
+        )
+        raise AssertionError(
+            f"workers failed or ran past {DEADLINE_S} s (killed):\n{tails}"
+        )
+    return [dict(np.load(path)) for path in outputs]
+
+
+def _snapshots(result: dict[str, np.ndarray], mode: str):
+    """`[(state, accumulators), ...]` per micro-step, as the worker recorded."""
+    steps: dict[int, tuple[dict, dict]] = {}
+    for key, value in result.items():
+        if not key.startswith(f"{mode}/") or key.count("/") < 2:
+            continue
+        _, t, name = key.split("/", 2)
+        state, accumulators = steps.setdefault(int(t), ({}, {}))
+        if name.startswith("accumulator/"):
+            accumulators[int(name.split("/")[1])] = value
+        else:
+            state[name] = value
+    assert sorted(steps) == list(range(len(steps)))
+    return [
+        (state, [accumulators[i] for i in sorted(accumulators)])
+        for state, accumulators in (steps[t] for t in sorted(steps))
+    ]
+
+
+def _reference(mode: str) -> dict[str, np.ndarray]:
+    """The plain optimizer on one device, batch `B * n`, same data order."""
+    x, y = worker.data()
+    big_batch = worker.MICRO_BATCH * worker.N
+    model, optimizer = make_mlp(), worker.make_optimizer()
+    if mode == "fit":
+        fit(model, optimizer, x, y, big_batch)
+    else:
+        custom_loop(tf.distribute.get_strategy(), model, optimizer, x, y, big_batch)
+    return full_state(model, optimizer)
+
+
+def test_two_workers_match_single_device_large_batch(tmp_path):
+    results = _run_workers(tmp_path)
+    modes = ["custom_loop", "fit"]
+    fit_errors = [str(r["fit/error"]) for r in results if "fit/error" in r]
+    if fit_errors:
+        # Keras's own failure before the first step (its symbolic build).
+        assert len(fit_errors) == 2, fit_errors
+        for error in fit_errors:
+            assert "_maybe_symbolic_build" in error, error
+        modes.remove("fit")
+    for mode in modes:
+        per_worker = [_snapshots(result, mode) for result in results]
+        steps = len(per_worker[0])
+        assert steps == worker.N * worker.CYCLES + 1
+        assert len(per_worker[1]) == steps
+        # Every micro-step: workers bit-identical; in-between steps change
+        # nothing; accumulators are each worker's own and reset on apply.
+        states = [[w[t][0] for w in per_worker] for t in range(steps)]
+        accumulators = [[w[t][1] for w in per_worker] for t in range(steps)]
+        check_micro_steps(states, accumulators, worker.N)
+        final = states[-1][0]
+        assert final["iterations"] == worker.CYCLES, mode
+        assert_states_close(_reference(mode), final)

@@ -1,0 +1,364 @@
+"""Changing n, weighted (ragged) micro-batches, and flushing a partial cycle.
+
+References: the plain optimizer applied to the gradient of the large batch
+each update is meant to see (its micro-batches concatenated), from the same
+initial weights.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradaccum
+from gradaccum import accumulate
+from tests.support import (
+    assert_states_close,
+    assert_states_equal,
+    full_state,
+    make_data,
+    make_mlp,
+    mirrored,
+)
+
+B = 4
+
+
+def _adam():
+    return keras.optimizers.Adam(1e-2)
+
+
+def _loss(model, x, y):
+    return keras.losses.MeanSquaredError()(y, model(x))
+
+
+def _grads(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = _loss(model, x, y)
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def _reference(updates, make_opt=_adam):
+    """Plain optimizer: one update per list of (x, y) micro-batches."""
+    model, opt = make_mlp(), make_opt()
+    for micro in updates:
+        x = np.concatenate([m[0] for m in micro])
+        y = np.concatenate([m[1] for m in micro])
+        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+    return full_state(model, opt)
+
+
+def _micro_batches(sizes, seed=0):
+    x, y = make_data(sum(sizes), seed=seed)
+    out, start = [], 0
+    for s in sizes:
+        out.append((x[start : start + s], y[start : start + s]))
+        start += s
+    return out
+
+
+def _traced_step(model, opt, weighted=False):
+    # Built first: a tf.function that creates variables traces twice.
+    opt.build(model.trainable_variables)
+    traces = []
+
+    @tf.function
+    def step(x, y, w):
+        traces.append(1)
+        grads = _grads(model, x, y)
+        if weighted:
+            opt.apply_gradients(zip(grads, model.trainable_variables), weight=w)
+        else:
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return step, traces
+
+
+# ----------------------------------------------------------------------
+# n that changes
+
+
+def test_schedule_for_n_equals_growing_large_batches_without_retracing():
+    micro = _micro_batches([B] * 12)
+    # Updates 0 and 1 accumulate 2 micro-batches, the rest 4.
+    expected = _reference([micro[0:2], micro[2:4], micro[4:8], micro[8:12]])
+    model = make_mlp()
+    opt = accumulate(_adam(), n=lambda step: tf.where(step < 2, 2, 4))
+    step, traces = _traced_step(model, opt)
+    for x, y in micro:
+        step(x, y, 1.0)
+    assert len(traces) == 1
+    assert int(opt.iterations) == 4 and int(opt.micro_step) == 0
+    assert_states_close(expected, full_state(model, opt))
+
+
+def test_setting_n_between_cycles_needs_no_retracing():
+    micro = _micro_batches([B] * 7)
+    expected = _reference([micro[0:3], micro[3:5], micro[5:7]])
+    model = make_mlp()
+    opt = accumulate(_adam(), 3)
+    step, traces = _traced_step(model, opt)
+    for k, (x, y) in enumerate(micro):
+        if k == 3:
+            opt.n = 2
+        step(x, y, 1.0)
+    assert opt.n == 2 and len(traces) == 1
+    assert_states_close(expected, full_state(model, opt))
+
+
+@pytest.mark.parametrize("new_n, expected_groups", [(2, [[0, 1], [2, 3]]), (1, [[0, 1, 2], [3]])])
+def test_setting_n_mid_cycle_ends_the_cycle_once_it_holds_new_n(new_n, expected_groups):
+    """Documented: the cycle ends at the first micro-step holding >= new n."""
+    micro = _micro_batches([B] * 4)
+    expected = _reference([[micro[k] for k in g] for g in expected_groups])
+    model = make_mlp()
+    opt = accumulate(_adam(), 3)
+    for k, (x, y) in enumerate(micro):
+        if k == 2 and new_n == 1:
+            opt.n = new_n  # two micro-batches already accumulated
+        if k == 1 and new_n == 2:
+            opt.n = new_n  # one micro-batch already accumulated
+        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+    assert_states_close(expected, full_state(model, opt))
+
+
+def test_bad_n_settings():
+    opt = accumulate(_adam(), 2)
+    for bad, error in [(0, ValueError), (2.5, TypeError), (True, TypeError)]:
+        with pytest.raises(error, match="`n`"):
+            opt.n = bad
+    scheduled = accumulate(_adam(), n=lambda step: 2)
+    with pytest.raises(ValueError, match="schedule"):
+        scheduled.n = 3
+    zero = accumulate(_adam(), n=lambda step: 0)
+    model = make_mlp()
+    x, y = make_data(B)
+    with pytest.raises(ValueError, match="returned 0"):
+        zero.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+
+
+# ----------------------------------------------------------------------
+# Weighted micro-batches
+
+
+@pytest.mark.parametrize("loop", ["eager", "tf_function"])
+@pytest.mark.parametrize("entry", ["apply_gradients", "apply"])
+def test_ragged_micro_batches_weighted_by_size_equal_the_large_batch(loop, entry):
+    sizes = [4, 4, 2, 3, 5, 1]  # two cycles of 3; ragged throughout
+    micro = _micro_batches(sizes)
+    expected = _reference([micro[0:3], micro[3:6]])
+    model = make_mlp()
+    opt = accumulate(_adam(), 3)
+
+    def step(x, y, w):
+        grads = _grads(model, x, y)
+        if entry == "apply":
+            opt.apply(grads, model.trainable_variables, weight=w)
+        else:
+            opt.apply_gradients(zip(grads, model.trainable_variables), weight=w)
+
+    if loop == "tf_function":
+        step = tf.function(step)
+    for x, y in micro:
+        step(x, y, tf.constant(float(len(x))))
+    assert_states_close(expected, full_state(model, opt))
+
+
+def test_unweighted_ragged_micro_batches_are_not_the_large_batch():
+    """The reason weights exist: equal weighting is off with ragged batches."""
+    micro = _micro_batches([4, 4, 1])
+    expected = _reference([micro])
+    model = make_mlp()
+    opt = accumulate(_adam(), 3)
+    for x, y in micro:
+        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+    got = full_state(model, opt)
+    assert not np.allclose(got["model/out/kernel"], expected["model/out/kernel"], atol=1e-6)
+
+
+def test_weighted_sum_reduction():
+    """`sum`: applies sum(w_i * g_i) -- the gradient of sum(w_i * loss_i)."""
+    micro = _micro_batches([B] * 3)
+    weights = [2.0, 0.5, 1.0]
+    model, plain = make_mlp(), keras.optimizers.SGD(1e-2)
+    with tf.GradientTape() as tape:
+        loss = sum(w * _loss(model, x, y) for w, (x, y) in zip(weights, micro))
+    plain.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    expected = full_state(model, plain)
+
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.SGD(1e-2), 3, reduction="sum")
+    for w, (x, y) in zip(weights, micro):
+        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables), weight=w)
+    assert_states_close(expected, full_state(model, opt))
+
+
+def test_weights_through_a_loss_scale_optimizer():
+    sizes = [4, 2, 3]
+    micro = _micro_batches(sizes)
+    expected = _reference([micro])
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.LossScaleOptimizer(_adam()), 3)
+    for x, y in micro:
+        with tf.GradientTape() as tape:
+            scaled = opt.scale_loss(_loss(model, x, y))
+        grads = tape.gradient(scaled, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables), weight=float(len(x)))
+    assert_states_close(expected, full_state(model, opt.inner_optimizer))
+
+
+def test_weighted_checkpoint_mid_cycle_resumes_bit_identical(tmp_path):
+    sizes = [4, 2, 3, 1, 4, 2]
+    micro = _micro_batches(sizes)
+
+    def run(stop=None, restore=None):
+        model, opt = make_mlp(), accumulate(_adam(), 3)
+        opt.build(model.trainable_variables)
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+        start = 0
+        if restore:
+            ckpt.restore(restore)
+            start = 4
+        for k in range(start, len(micro) if stop is None else stop):
+            x, y = micro[k]
+            opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables), weight=len(x))
+        return model, opt, ckpt
+
+    model, opt, _ = run()
+    expected = full_state(model, opt)
+    _, _, ckpt = run(stop=4)
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    model2, opt2, _ = run(restore=path)
+    assert_states_equal(expected, full_state(model2, opt2))
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [(-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+     (True, TypeError), ("4", TypeError), (tf.constant([1.0, 2.0]), ValueError)],
+)
+def test_bad_weight(bad, error):
+    model = make_mlp()
+    opt = accumulate(_adam(), 2)
+    x, y = make_data(B)
+    with pytest.raises(error, match="`weight`"):
+        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables), weight=bad)
+
+
+# ----------------------------------------------------------------------
+# Flushing a partial cycle, will_apply
+
+
+def test_flush_applies_the_mean_of_what_was_accumulated():
+    micro = _micro_batches([B] * 5)
+    expected = _reference([micro[0:3], micro[3:5]])
+    model = make_mlp()
+    opt = accumulate(_adam(), 3)
+    step, _ = _traced_step(model, opt)
+    for x, y in micro:
+        step(x, y, 1.0)
+    assert int(opt.micro_step) == 2
+    opt.flush()
+    assert int(opt.micro_step) == 0 and int(opt.iterations) == 2
+    assert_states_close(expected, full_state(model, opt))
+    before = full_state(model, opt)
+    opt.flush()  # empty cycle: nothing changes
+    assert_states_equal(before, full_state(model, opt))
+
+
+@pytest.mark.parametrize("at", ["epoch_end", "train_end"])
+def test_flush_partial_cycle_callback(at):
+    x, y = make_data(B * 5)
+    micro = _micro_batches([B] * 5)
+    if at == "epoch_end":  # 5 micro-batches an epoch, n=3: 3 + 2 per epoch
+        expected = _reference([micro[0:3], micro[3:5]] * 2)
+        epochs = 2
+    else:
+        expected = _reference([micro[0:3], micro[3:5] + micro[0:1], micro[1:4], micro[4:5]])
+        epochs = 2
+    model = make_mlp()
+    opt = accumulate(_adam(), 3)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(
+        x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[gradaccum.callbacks.FlushPartialCycle(at=at)],
+    )
+    assert int(opt.micro_step) == 0
+    assert_states_close(expected, full_state(model, opt))
+
+
+def test_flush_callback_rejects_bad_input():
+    with pytest.raises(ValueError, match="`at`"):
+        gradaccum.callbacks.FlushPartialCycle(at="batch_end")
+    model = make_mlp()
+    model.compile(optimizer=_adam(), loss="mse")
+    x, y = make_data(B)
+    with pytest.raises(ValueError, match="accumulating optimizer"):
+        model.fit(x, y, batch_size=B, verbose=0,
+                  callbacks=[gradaccum.callbacks.FlushPartialCycle()])
+
+
+def test_will_apply_marks_the_apply_steps():
+    model = make_mlp()
+    opt = accumulate(_adam(), 3)
+    x, y = make_data(B)
+    seen = []
+    for _ in range(6):
+        seen.append(bool(opt.will_apply))
+        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+    assert seen == [False, False, True, False, False, True]
+
+
+# ----------------------------------------------------------------------
+# Under MirroredStrategy (two logical CPUs, see conftest.py)
+
+
+# SGD is linear in the gradient, so any weighting error shows in full (the
+# first Adam steps are close to lr * sign(g) and would hide one).
+_OPT = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_weighted_ragged_micro_batches_under_mirrored_strategy(flush):
+    """Each replica sees its own ragged micro-batch and passes its size.
+
+    Each replica's loss is a Keras mean-reduced loss, which divides its local
+    mean by the replica count itself. Reference: one device, the
+    concatenation.
+    """
+    strategy = mirrored()
+    sizes = [(4, 2), (3, 3), (1, 4), (2, 2), (4, 1)]  # (replica 0, replica 1)
+    flat = _micro_batches([s for pair in sizes for s in pair])
+    pairs = [flat[2 * k : 2 * k + 2] for k in range(len(sizes))]
+    cycles = [pairs[0:3], pairs[3:5]] if flush else [pairs[0:3]]
+    expected = _reference([[m for pair in cycle for m in pair] for cycle in cycles], make_opt=_OPT)
+
+    with strategy.scope():
+        model = make_mlp()
+        opt = accumulate(_OPT(), 3)
+        opt.build(model.trainable_variables)
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = _loss(model, x, y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(
+            zip(grads, model.trainable_variables), weight=tf.cast(tf.shape(x)[0], tf.float32)
+        )
+
+    @tf.function
+    def step(x, y):
+        strategy.run(replica_step, args=(x, y))
+
+    steps = 5 if flush else 3
+    for pair in pairs[:steps]:
+        def value(ctx, i):
+            return pair[ctx.replica_id_in_sync_group][i]
+
+        x = strategy.experimental_distribute_values_from_function(lambda c: value(c, 0))
+        y = strategy.experimental_distribute_values_from_function(lambda c: value(c, 1))
+        step(x, y)
+    if flush:
+        opt.flush()
+    assert int(opt.micro_step) == 0
+    assert_states_close(expected, full_state(model, opt))

@@ -1,0 +1,152 @@
+"""tf_keras counterparts of `tests.support`: models, state, reference runs.
+
+A reference run trains the plain optimizer on batch `B * n`; the subject run
+trains `accumulate(optimizer, n)` on micro-batch `B`, from the same initial
+weights and in the same data order. tf_keras variables have no `path`, so
+state is keyed by variable name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from tests.support import (
+    ATOL,
+    RTOL,
+    assert_states_close,
+    assert_states_equal,
+    make_data,
+)
+
+__all__ = [
+    "ATOL",
+    "RTOL",
+    "assert_states_close",
+    "assert_states_equal",
+    "fit",
+    "fit_pair",
+    "full_state",
+    "make_data",
+    "make_embedding_model",
+    "make_mlp",
+    "optimizer_variables",
+]
+
+
+def make_mlp(
+    in_dim: int = 5,
+    out_dim: int = 3,
+    widths: tuple[int, ...] = (8,),
+    seed: int = 0,
+    **dense_kwargs: Any,
+) -> tf_keras.Model:
+    tf_keras.utils.set_random_seed(seed)
+    layers = [tf_keras.Input((in_dim,))]
+    for i, w in enumerate(widths):
+        layers.append(
+            tf_keras.layers.Dense(
+                w, activation="tanh", name=f"hidden{i}", **dense_kwargs
+            )
+        )
+    layers.append(tf_keras.layers.Dense(out_dim, name="out", dtype="float32"))
+    return tf_keras.Sequential(layers, name="mlp")
+
+
+def make_embedding_model(
+    vocab: int = 20, dim: int = 4, seed: int = 0
+) -> tf_keras.Model:
+    tf_keras.utils.set_random_seed(seed)
+    inputs = tf_keras.Input((3,), dtype="int32")
+    h = tf_keras.layers.Embedding(vocab, dim, name="emb")(inputs)
+    h = tf_keras.layers.Flatten()(h)
+    out = tf_keras.layers.Dense(2, name="out")(h)
+    return tf_keras.Model(inputs, out, name="embed")
+
+
+def optimizer_variables(optimizer: Any) -> list[tf.Variable]:
+    """`variables` of either family (a method on OptimizerV2)."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _key(name: str) -> str:
+    """A variable's name without what differs between equivalent runs.
+
+    Slot names start with the name scopes they were created in, which depend
+    on the code path that built the optimizer ("Adam/m/hidden0/kernel" from
+    `apply_gradients`, "m/hidden0/kernel" from `build`, "cond_1/Adam/iter"
+    inside a loss-scale optimizer's `tf.cond`): leading scopes that are an
+    optimizer's default name (capitalised; the test models' layer names are
+    not) or a `cond` are dropped. So is the process-wide uniquifying suffix
+    of unnamed variables ("Variable_3").
+    """
+    parts = name.split(":")[0].split("/")
+    while len(parts) > 1 and re.fullmatch(r"[A-Z]\w*|cond(_\d+)?", parts[0]):
+        parts = parts[1:]
+    return re.sub(r"_\d+$", "", "/".join(parts))
+
+
+def full_state(model: tf_keras.Model, optimizer: Any) -> dict[str, np.ndarray]:
+    """Model weights, every optimizer variable (by name) and `iterations`."""
+    out = {f"model/{_key(v.name)}": np.asarray(v.numpy()) for v in model.weights}
+    for v in optimizer_variables(optimizer):
+        key, k = f"opt/{_key(v.name)}", 1
+        while key in out:
+            key, k = f"opt/{_key(v.name)}#{k}", k + 1
+        out[key] = np.asarray(v.numpy())
+    out["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
+    return out
+
+
+def fit(
+    model: tf_keras.Model,
+    optimizer: Any,
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    loss: Any = "mse",
+    epochs: int = 1,
+    **compile_kwargs: Any,
+) -> tf_keras.Model:
+    model.compile(optimizer=optimizer, loss=loss, **compile_kwargs)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def fit_pair(
+    make_optimizer: Callable[[], Any],
+    n: int,
+    micro_batch: int = 4,
+    cycles: int = 3,
+    make_model: Callable[[], tf_keras.Model] = make_mlp,
+    data: tuple[np.ndarray, np.ndarray] | None = None,
+    loss: Any = "mse",
+    **compile_kwargs: Any,
+):
+    """Trains reference (batch B*n) and subject (accumulate, batch B) with fit.
+
+    Returns `(reference_state, subject_state, subject_model, subject_opt)`.
+    """
+    from gradaccum import accumulate
+
+    if data is None:
+        data = make_data(micro_batch * n * cycles)
+    x, y = data
+    ref_model = make_model()
+    ref_opt = make_optimizer()
+    fit(ref_model, ref_opt, x, y, micro_batch * n, loss=loss, **compile_kwargs)
+    model = make_model()
+    opt = accumulate(make_optimizer(), n)
+    fit(model, opt, x, y, micro_batch, loss=loss, **compile_kwargs)
+    return full_state(ref_model, ref_opt), full_state(model, opt), model, opt
+
+
+def mse_grads(model: tf_keras.Model, x, y):
+    with tf.GradientTape() as tape:
+        loss = tf_keras.losses.MeanSquaredError()(y, model(x, training=True))
+    return tape.gradient(loss, model.trainable_variables)

@@ -1,0 +1,238 @@
+"""tf_keras LossScaleOptimizer, around either optimizer family, both orders."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from gradaccum import AccumulatingOptimizer, accumulate
+from tests.tf_keras.support import (
+    assert_states_close,
+    assert_states_equal,
+    fit,
+    full_state,
+    make_data,
+    make_mlp,
+)
+
+N, B, CYCLES = 3, 4, 3
+LSO = tf_keras.mixed_precision.LossScaleOptimizer
+SCALE0 = 2.0**15  # tf_keras's default initial loss scale
+# Half-precision rounding: forward and backward passes round to float16, and
+# the micro-batch and large-batch runs round different partial sums; the
+# measured difference on this MLP is below 3e-5. A real bug moves values by
+# about lr = 1e-2.
+FP16_ATOL, FP16_RTOL = 5e-5, 1e-4
+
+KINDS = {
+    "new": lambda: tf_keras.optimizers.Adam(1e-2),
+    "legacy": lambda: tf_keras.optimizers.legacy.Adam(1e-2),
+}
+WRAPS = {
+    "accumulate_lso": lambda make: accumulate(LSO(make()), N),
+    "lso_accumulate": lambda make: LSO(accumulate(make(), N)),
+}
+
+
+@contextlib.contextmanager
+def policy(name):
+    previous = tf_keras.mixed_precision.global_policy()
+    tf_keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        tf_keras.mixed_precision.set_global_policy(previous)
+
+
+def _core(opt):
+    """The AccumulatingOptimizer that holds the accumulators."""
+    if isinstance(opt, AccumulatingOptimizer):
+        return opt._self_core
+    return opt.inner_optimizer
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize(
+    "order", ["accumulate_lso", "lso_accumulate", "compile_auto_wrap"]
+)
+def test_fit_equals_large_batch_mixed_float16(kind, order):
+    make = KINDS[kind]
+    x, y = make_data(B * N * CYCLES)
+    with policy("mixed_float16"):
+        ref_model, ref_opt = make_mlp(), LSO(make())
+        fit(ref_model, ref_opt, x, y, B * N)
+        model = make_mlp()
+        # compile wraps a plain optimizer in a LossScaleOptimizer itself.
+        if order == "compile_auto_wrap":
+            opt = accumulate(make(), N)
+        else:
+            opt = WRAPS[order](make)
+        fit(model, opt, x, y, B)
+    assert isinstance(model.optimizer, LSO)
+    # No micro-batch overflowed: the scale is where the reference's is.
+    assert float(model.optimizer.loss_scale) == float(ref_opt.loss_scale) == SCALE0
+    # The scale's growth counter counts finite scaled backward passes:
+    # micro-batches, not applied updates (documented).
+    assert int(ref_opt.dynamic_counter.numpy()) == CYCLES
+    assert int(model.optimizer.dynamic_counter.numpy()) == N * CYCLES
+    ref, acc = full_state(ref_model, ref_opt), full_state(model, model.optimizer)
+    assert acc["iterations"] == CYCLES
+    assert_states_close(ref, acc, rtol=FP16_RTOL, atol=FP16_ATOL)
+    # Accumulators are float32 whatever the compute dtype.
+    state = _core(model.optimizer)._self_state
+    assert all(a.dtype == tf.float32 for a in state.accumulators)
+
+
+def _scaled_step(model, opt, x, y, poison=False):
+    with tf.GradientTape() as tape:
+        loss = tf_keras.losses.MeanSquaredError()(y, model(x, training=True))
+        scaled = opt.get_scaled_loss(loss)
+    grads = opt.get_unscaled_gradients(tape.gradient(scaled, model.trainable_variables))
+    grads = [tf.where(poison, g * np.inf, g) for g in grads]
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def _loop(opt, model, traced):
+    step = lambda x, y, poison: _scaled_step(model, opt, x, y, poison)  # noqa: E731
+    if traced:
+        step = tf.function(step)
+    def call(x, y, poison=False):
+        step(tf.constant(x), tf.constant(y), tf.constant(poison))
+
+    return call
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("order", sorted(WRAPS))
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
+def test_custom_loop_with_scaled_loss_equals_large_batch(kind, order, traced):
+    """get_scaled_loss / get_unscaled_gradients in a float32 custom loop."""
+    make = KINDS[kind]
+    x, y = make_data(B * N * CYCLES)
+    ref_model, ref_opt = make_mlp(), LSO(make())
+    ref_step = _loop(ref_opt, ref_model, traced)
+    for i in range(0, len(x), B * N):
+        ref_step(x[i : i + B * N], y[i : i + B * N])
+    model, opt = make_mlp(), WRAPS[order](make)
+    step = _loop(opt, model, traced)
+    for k, i in enumerate(range(0, len(x), B)):
+        before = full_state(model, opt)
+        step(x[i : i + B], y[i : i + B])
+        # From the second cycle on (the first builds the slots).
+        if k >= N and (k + 1) % N:
+            assert_states_equal(before, full_state(model, opt))
+    ref, acc = full_state(ref_model, ref_opt), full_state(model, opt)
+    assert acc["iterations"] == CYCLES
+    assert_states_close(ref, acc)
+
+
+def _apply(model, opt, x, y):
+    with tf.GradientTape() as tape:
+        loss = tf_keras.losses.MeanSquaredError()(y, model(x, training=True))
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+
+
+def _run_with_bad_micro_batch(kind, order, traced, bad=4, counted=False):
+    """Micro-batch `bad` of 10 has non-finite gradients.
+
+    Returns the reference state: plain float32 training on large batches of
+    the 9 finite micro-batches (the dropped one is simply not there), with
+    `iterations` one higher from the second update on if the skip is
+    `counted`. Then the subject's optimizer and state, its states around the
+    bad micro-batch, and its micro-step after every micro-batch.
+    """
+    make = KINDS[kind]
+    x, y = make_data(B * (N * CYCLES + 1))
+    micro = [(x[i : i + B], y[i : i + B]) for i in range(0, len(x), B)]
+    finite = [m for k, m in enumerate(micro) if k != bad]
+    ref_model, ref_opt = make_mlp(), make()
+    for c in range(CYCLES):
+        cycle = finite[c * N : (c + 1) * N]
+        _apply(
+            ref_model,
+            ref_opt,
+            np.concatenate([m[0] for m in cycle]),
+            np.concatenate([m[1] for m in cycle]),
+        )
+        if counted and c == bad // N - 1:
+            ref_opt.iterations.assign_add(1)
+    model, opt = make_mlp(), WRAPS[order](make)
+    step = _loop(opt, model, traced)
+    micro_steps = []
+    for k, (xb, yb) in enumerate(micro):
+        if k == bad:
+            before = full_state(model, opt)
+        step(xb, yb, k == bad)
+        if k == bad:
+            around = (before, full_state(model, opt))
+        micro_steps.append(int(_core(opt).micro_step))
+    ref = full_state(ref_model, ref_opt)
+    return ref, opt, full_state(model, opt), around, micro_steps
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
+def test_non_finite_micro_batch_is_dropped_without_counting(kind, traced):
+    ref, opt, acc, (before, after), micro_steps = _run_with_bad_micro_batch(
+        kind, "accumulate_lso", traced
+    )
+    # Nothing moves, `iterations` included; only the scale halves.
+    assert_states_equal(before, after)
+    # The dropped micro-batch does not advance the cycle.
+    assert micro_steps == [1, 2, 0, 1, 1, 2, 0, 1, 2, 0]
+    assert float(opt.loss_scale) == SCALE0 / 2
+    assert acc["iterations"] == CYCLES
+    assert_states_close(ref, acc)
+
+
+def _is_iterations(key):
+    return key == "iterations" or key.rsplit("/", 1)[-1] in ("iter", "iteration")
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
+def test_lso_around_accumulate_counts_a_skipped_micro_batch_like_tf_keras(kind, traced):
+    """`LSO(accumulate(opt))`, which compile builds: a documented difference.
+
+    tf_keras's LossScaleOptimizer itself adds 1 to its inner optimizer's
+    `iterations` for every step it skips; here that inner optimizer is the
+    accumulating one, so a dropped micro-batch counts once in `iterations`
+    (and so in learning-rate schedules and Adam's bias correction). Nothing
+    else differs from `accumulate(LSO(opt))`.
+    """
+    ref, opt, acc, (before, after), micro_steps = _run_with_bad_micro_batch(
+        kind, "lso_accumulate", traced, counted=True
+    )
+    moved = {k for k in before if not np.array_equal(before[k], after[k])}
+    assert moved == {k for k in before if _is_iterations(k)}
+    assert after["iterations"] == before["iterations"] + 1
+    assert micro_steps == [1, 2, 0, 1, 1, 2, 0, 1, 2, 0]
+    assert float(opt.loss_scale) == SCALE0 / 2
+    assert acc["iterations"] == CYCLES + 1
+    assert_states_close(ref, acc)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_proxy_is_still_the_loss_scale_optimizer(kind):
+    inner = KINDS[kind]()
+    lso = LSO(inner, dynamic=False, initial_scale=64.0)
+    opt = accumulate(lso, 4)
+    assert isinstance(opt, LSO)
+    assert opt.__wrapped__ is lso
+    assert isinstance(opt.inner_optimizer, AccumulatingOptimizer)
+    assert opt.inner_optimizer.__wrapped__ is inner
+    assert opt.n == 4 and opt.reduction == "mean"
+    np.testing.assert_allclose(float(opt.get_scaled_loss(tf.constant(1.0))), 64.0)
+    (g,) = opt.get_unscaled_gradients([tf.constant(64.0)])
+    np.testing.assert_allclose(float(g), 1.0)
+    opt.learning_rate = 0.25
+    lr = tf_keras.backend.get_value(inner.learning_rate)
+    np.testing.assert_allclose(float(lr), 0.25)
+    assert opt.iterations is inner.iterations
+    with pytest.raises(ValueError, match="accumulate twice"):
+        accumulate(lso, 2)
+    with pytest.raises(ValueError, match="accumulate twice"):
+        accumulate(LSO(accumulate(KINDS[kind](), 2)), 2)
