@@ -11,11 +11,12 @@ with or without a (float32) LossScaleOptimizer, in either wrapping order.
 from __future__ import annotations
 
 import numpy as np
-import pytest
+import tensorflow as tf
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from property_tests.harness import (
+    HEADS,
     STEP_COUNTER,
     Case,
     ModelSpec,
@@ -118,14 +119,12 @@ def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(case):
     assert_states_equal(plain, subject, "n=1 against the plain optimizer")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Known bug: a step traced before a variable first received a "
-    "gradient leaves that variable out of its update for good; see "
-    "docstring.",
-)
 @scaled(10)
 @given(case=cases(modes=("tf_function",), heads_vary_when_traced=True))
+# Found by this property: the step for heads (0,) is traced on micro-step 0,
+# before `head1` ever had a gradient; `head1` gets one on micro-step 2, and
+# micro-step 3 (an apply step) ran the old trace, which neither applied nor
+# cleared `head1`'s accumulator. That now raises instead.
 @example(
     case=Case(
         model=ModelSpec(kind="dense", width=3, depth=1),
@@ -140,22 +139,47 @@ def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(case):
         data_seed=0,
     )
 )
-def test_traced_loop_whose_none_pattern_changes(case):
+def test_traced_loop_whose_none_pattern_changes_is_exact_or_refused(case):
     """A `tf.function` step retraced per set of heads (e.g. per task).
 
-    Which variables take part in an update is decided when a step is traced
-    (from the variables seen so far). In the pinned example the step for
-    heads (0,) is traced on micro-step 0, before `head1` ever had a
-    gradient; `head1` gets one on micro-step 2, and micro-step 3 (an apply
-    step) runs the old trace, which neither applies nor clears `head1`'s
-    accumulator: `head1` misses the update, and its stale sum leaks into the
-    next cycle. Eager loops, and traced loops whose heads do not change
-    (`test_accumulated_equals_large_batch`), are exact.
+    Which variables take part in an update is decided when a step is traced.
+    A trace made before some variable first received a gradient cannot
+    apply that variable's accumulated sum; it must then refuse (raise), never
+    train silently wrong. Any run that completes equals large batch.
     """
     reference, _, _ = run_reference(case)
     assert_finite(reference)
-    subject, _, _ = run_subject(case)
+    try:
+        subject, _, _ = run_subject(case)
+    except tf.errors.InvalidArgumentError as error:
+        assert "traced before variables" in error.message
+        assert _has_stale_trace(case), "refused a run a stale trace cannot spoil"
+        return
     assert_states_close(reference, subject)
+
+
+def _has_stale_trace(case) -> bool:
+    """Whether an apply step runs a trace that misses an accumulating variable.
+
+    Mirrors the library's rule: a trace includes the variables seen (any
+    gradient so far) when it was made; an apply step refuses if a variable
+    left out of its trace holds an accumulated gradient.
+    """
+    heads_of = {h: {f"head{h}"} for h in range(HEADS)}
+    seen: set[str] = set()
+    traced: dict[tuple[int, ...], set[str]] = {}
+    pending: set[str] = set()
+    for i, heads in enumerate(case.heads):
+        current = set().union(*(heads_of[h] for h in heads))
+        seen |= current
+        if heads not in traced:
+            traced[heads] = set(seen)
+        pending |= current
+        if (i + 1) % case.n == 0:
+            if pending - traced[heads]:
+                return True
+            pending = set()
+    return False
 
 
 @scaled(12)
