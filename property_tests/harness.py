@@ -283,13 +283,38 @@ def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
     under a LossScaleOptimizer), which differ between equivalent runs.
     """
     out = {}
-    for v in optimizer.variables:
+    for v in _optimizer_variables(optimizer):
         path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
         key, k = f"opt/{path}", 1
         while key in out:
             key, k = f"opt/{path}#{k}", k + 1
         out[key] = np.asarray(v.numpy())
     return out
+
+
+def _optimizer_variables(optimizer: Any) -> list[Any]:
+    """`optimizer.variables`, and variables its (inner) optimizers hold.
+
+    A LossScaleOptimizer builds its inner optimizer with Keras's variable
+    tracking off, so variables an optimizer's `build` creates directly
+    (Nadam's `_u_product`, Adafactor's placeholders) are missing from
+    `variables` there; they are optimizer state all the same.
+    """
+    found = list(optimizer.variables)
+    known = {id(v) for v in found}
+    pending = [optimizer]
+    while pending:
+        opt = pending.pop(0)
+        opt = getattr(opt, "__wrapped__", opt)  # an AccumulatingOptimizer
+        known |= {id(v) for v in getattr(opt, "_trainable_variables", [])}
+        for value in vars(opt).values():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, keras.optimizers.Optimizer):
+                    pending.append(item)
+                elif isinstance(item, keras.Variable) and id(item) not in known:
+                    known.add(id(item))
+                    found.append(item)
+    return found
 
 
 def full_state(model: keras.Model, optimizer: Any) -> dict[str, np.ndarray]:

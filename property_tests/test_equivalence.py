@@ -65,6 +65,24 @@ def _accumulators_empty(opt) -> bool:
         build_first=False,
     )
 )
+# Found by this property: a LossScaleOptimizer builds its inner optimizer
+# with Keras's variable tracking off, so Nadam's `_u_product` was missing
+# from `variables`, was not rolled back, and advanced on every micro-step.
+@example(
+    case=Case(
+        model=ModelSpec(kind="dense", width=3, depth=1),
+        optimizer=OptimizerSpec("Nadam", (("learning_rate", 0.1),)),
+        n=2,
+        reduction="mean",
+        micro_batch=1,
+        cycles=1,
+        extra=1,
+        heads=((0, 1),) * 3,
+        mode="eager",
+        data_seed=0,
+        loss_scale="accumulate_lso",
+    )
+)
 def test_accumulated_equals_large_batch(case):
     """Weights, every optimizer variable and `iterations` match large batch.
 
