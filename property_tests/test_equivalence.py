@@ -173,6 +173,10 @@ def test_traced_loop_whose_none_pattern_changes_is_exact_or_refused(case):
         assert "traced before variables" in error.message
         assert _has_stale_trace(case), "refused a run a stale trace cannot spoil"
         return
+    if case.loss_scale:
+        # Finite loss-scaled backward passes: batches vs micro-batches.
+        assert int(reference.pop(STEP_COUNTER)) == case.cycles
+        assert int(subject.pop(STEP_COUNTER)) == case.micro_steps
     assert_states_close(reference, subject)
 
 
