@@ -23,6 +23,9 @@ import tensorflow as tf
 RTOL = 1e-5
 ATOL = 1e-6
 
+# Every `mode` of `accumulate`: equivalence tests run once per mode.
+MODES = ("masked", "skip")
+
 
 def make_data(samples: int, in_dim: int = 5, out_dim: int = 3, seed: int = 0):
     rng = np.random.default_rng(seed)
@@ -134,15 +137,18 @@ def fit_pair(
     data: tuple[np.ndarray, np.ndarray] | None = None,
     loss: Any = "mse",
     wrap: Callable[[Any, int], Any] | None = None,
+    mode: str = "masked",
     **compile_kwargs: Any,
 ):
     """Trains reference (batch B*n) and subject (accumulate, batch B) with fit.
 
-    Returns `(reference_state, subject_state, subject_model, subject_opt)`.
+    The subject is `accumulate(optimizer, n, mode=mode)` unless `wrap` says
+    otherwise. Returns `(reference_state, subject_state, subject_model,
+    subject_opt)`.
     """
     from gradaccum import accumulate
 
-    wrap = wrap or (lambda opt, n: accumulate(opt, n))
+    wrap = wrap or (lambda opt, n: accumulate(opt, n, mode=mode))
     if data is None:
         data = make_data(micro_batch * n * cycles)
     x, y = data

@@ -25,6 +25,7 @@ from tests.dist_support import (
     replica_states,
 )
 from tests.support import (
+    MODES,
     dtype_policy,
     assert_states_close,
     assert_states_equal,
@@ -93,14 +94,15 @@ def test_clipping_is_active():
     assert max(float(tf.reduce_max(tf.abs(g))) for g in grads) > 2 * CLIPVALUE
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_fit_matches_single_device_large_batch(strategy, name):
+def test_fit_matches_single_device_large_batch(strategy, name, mode):
     make_optimizer = OPTIMIZERS[name]
     reference = _reference_fit(make_optimizer)
     x, y = _data()
     with strategy.scope():
         model = make_mlp()
-        optimizer = accumulate(make_optimizer(), N)
+        optimizer = accumulate(make_optimizer(), N, mode=mode)
     fit(model, optimizer, x, y, MICRO_BATCH)
     state = full_state(model, optimizer)
     assert state["iterations"] == CYCLES
@@ -178,8 +180,9 @@ def test_optimizer_created_outside_scope_raises(strategy):
         fit(model, optimizer, x, y, MICRO_BATCH)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["adam", "adam_clipnorm"])
-def test_custom_loop_matches_single_device_large_batch(strategy, name):
+def test_custom_loop_matches_single_device_large_batch(strategy, name, mode):
     make_optimizer = OPTIMIZERS[name]
     x, y = _data()
     ref_model, ref_optimizer = make_mlp(), make_optimizer()
@@ -188,7 +191,7 @@ def test_custom_loop_matches_single_device_large_batch(strategy, name):
     )
     with strategy.scope():
         model = make_mlp()
-        optimizer = accumulate(make_optimizer(), N)
+        optimizer = accumulate(make_optimizer(), N, mode=mode)
         optimizer.build(model.trainable_variables)
     states = [replica_states(strategy, model, optimizer)]
     accumulators = [replica_accumulators(strategy, optimizer)]
@@ -275,9 +278,9 @@ LSO = keras.optimizers.LossScaleOptimizer
 FP16_ATOL, FP16_RTOL = 5e-5, 1e-4
 
 LSO_WRAPS = {
-    "accumulate_lso": lambda: accumulate(LSO(OPTIMIZERS["adam"]()), N),
-    "lso_accumulate": lambda: LSO(accumulate(OPTIMIZERS["adam"](), N)),
-    "compile_auto_wrap": lambda: accumulate(OPTIMIZERS["adam"](), N),
+    "accumulate_lso": lambda mode: accumulate(LSO(OPTIMIZERS["adam"]()), N, mode=mode),
+    "lso_accumulate": lambda mode: LSO(accumulate(OPTIMIZERS["adam"](), N, mode=mode)),
+    "compile_auto_wrap": lambda mode: accumulate(OPTIMIZERS["adam"](), N, mode=mode),
 }
 
 
@@ -294,15 +297,16 @@ def _scale(optimizer) -> float:
     return float(optimizer.dynamic_scale.numpy())
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("order", sorted(LSO_WRAPS))
-def test_loss_scale_optimizer_fit_mixed_float16(strategy, order):
+def test_loss_scale_optimizer_fit_mixed_float16(strategy, order, mode):
     x, y = _data()
     with dtype_policy("mixed_float16"):
         ref_model, ref_optimizer = make_mlp(), LSO(OPTIMIZERS["adam"]())
         fit(ref_model, ref_optimizer, x, y, MICRO_BATCH * N)
         with strategy.scope():
             model = make_mlp()
-            model.compile(optimizer=LSO_WRAPS[order](), loss="mse")
+            model.compile(optimizer=LSO_WRAPS[order](mode), loss="mse")
         optimizer = model.optimizer
         recorder = RecordStates(strategy, optimizer, _core(optimizer))
         model.fit(
@@ -333,8 +337,9 @@ def test_loss_scale_optimizer_fit_mixed_float16(strategy, order):
         ("lso_accumulate", "first"),
     ],
 )
+@pytest.mark.parametrize("mode", MODES)
 def test_loss_scale_non_finite_micro_batch_dropped_on_every_replica(
-    strategy, order, poisoned
+    strategy, order, poisoned, mode
 ):
     """Micro-batch 4 of 10 is non-finite on every replica, or on the first.
 
@@ -358,7 +363,7 @@ def test_loss_scale_non_finite_micro_batch_dropped_on_every_replica(
 
     with strategy.scope():
         model = make_mlp()
-        optimizer = LSO_WRAPS[order]()
+        optimizer = LSO_WRAPS[order](mode)
         optimizer.build(model.trainable_variables)
     core = _core(optimizer)
     loss_fn = keras.losses.MeanSquaredError(reduction=None)

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from gradaccum import AccumulatingOptimizer, accumulate
 from tests.support import (
+    MODES,
     dtype_policy,
     assert_states_close,
     fit,
@@ -34,9 +35,9 @@ def _adam():
 
 
 WRAPS = {
-    "accumulate_lso": lambda: accumulate(LSO(_adam()), N),
-    "lso_accumulate": lambda: LSO(accumulate(_adam(), N)),
-    "compile_auto_wrap": lambda: accumulate(_adam(), N),  # compile adds the LSO
+    "accumulate_lso": lambda mode: accumulate(LSO(_adam()), N, mode=mode),
+    "lso_accumulate": lambda mode: LSO(accumulate(_adam(), N, mode=mode)),
+    "compile_auto_wrap": lambda mode: accumulate(_adam(), N, mode=mode),  # compile adds the LSO
 }
 
 
@@ -46,14 +47,15 @@ WRAPS = {
     # Keras adds no loss scaling for bfloat16.
     + [("mixed_bfloat16", "compile_auto_wrap")],
 )
-def test_fit_equals_large_batch_mixed_precision_training(policy_name, order):
+@pytest.mark.parametrize("mode", MODES)
+def test_fit_equals_large_batch_mixed_precision_training(policy_name, order, mode):
     x, y = make_data(B * N * CYCLES)
     with dtype_policy(policy_name):
         ref_model = make_mlp()
         ref_opt = LSO(_adam()) if policy_name == "mixed_float16" else _adam()
         fit(ref_model, ref_opt, x, y, B * N)
         model = make_mlp()
-        opt = WRAPS[order]()
+        opt = WRAPS[order](mode)
         fit(model, opt, x, y, B)
     if policy_name == "mixed_float16":
         assert isinstance(model.optimizer, LSO)
@@ -101,9 +103,10 @@ def _scaled_grads(model, opt, x, y):
     return tape.gradient(scaled, model.trainable_variables)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("order", ["accumulate_lso", "lso_accumulate"])
 @pytest.mark.parametrize("loop", ["eager", "tf_function"])
-def test_non_finite_micro_batch_is_dropped(order, loop):
+def test_non_finite_micro_batch_is_dropped(order, loop, mode):
     """Micro-batch 4 of 9 has a non-finite gradient.
 
     Reference: plain float32 training on large batches formed from the 8
@@ -120,7 +123,7 @@ def test_non_finite_micro_batch_is_dropped(order, loop):
     fit(ref_model, ref_opt, xr, yr, B * N)
 
     model = make_mlp()
-    opt = WRAPS[order]()
+    opt = WRAPS[order](mode)
     lso = opt
     scale0 = 2.0**15
 

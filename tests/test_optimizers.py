@@ -5,7 +5,7 @@ import inspect
 import keras
 import pytest
 
-from tests.support import assert_states_close, fit_pair
+from tests.support import MODES, assert_states_close, fit_pair
 
 LR = 1e-2
 
@@ -49,9 +49,11 @@ def test_every_builtin_optimizer_is_covered():
     assert shipped <= covered, sorted(shipped - covered)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_matches_large_batch_after_three_cycles(name):
-    ref, acc, _, opt = fit_pair(OPTIMIZERS[name], n=3, micro_batch=4, cycles=3)
+def test_matches_large_batch_after_three_cycles(name, mode):
+    ref, acc, _, opt = fit_pair(OPTIMIZERS[name], n=3, micro_batch=4, cycles=3, mode=mode)
+    assert opt.mode == mode
     assert acc["iterations"] == 3
     assert int(opt.micro_step) == 0
     assert_states_close(ref, acc)

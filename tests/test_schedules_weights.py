@@ -13,6 +13,7 @@ import tensorflow as tf
 import gradaccum
 from gradaccum import accumulate
 from tests.support import (
+    MODES,
     assert_states_close,
     assert_states_equal,
     full_state,
@@ -318,8 +319,9 @@ def test_will_apply_marks_the_apply_steps():
 _OPT = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("flush", [False, True])
-def test_weighted_ragged_micro_batches_under_mirrored_strategy(flush):
+def test_weighted_ragged_micro_batches_under_mirrored_strategy(flush, mode):
     """Each replica sees its own ragged micro-batch and passes its size.
 
     Each replica's loss is a Keras mean-reduced loss, which divides its local
@@ -335,7 +337,7 @@ def test_weighted_ragged_micro_batches_under_mirrored_strategy(flush):
 
     with strategy.scope():
         model = make_mlp()
-        opt = accumulate(_OPT(), 3)
+        opt = accumulate(_OPT(), 3, mode=mode)
         opt.build(model.trainable_variables)
 
     def replica_step(x, y):

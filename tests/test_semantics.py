@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from gradaccum import accumulate
 from tests.support import (
+    MODES,
     assert_states_close,
     assert_states_equal,
     fit,
@@ -39,9 +40,10 @@ PER_UPDATE = {
 }
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(PER_UPDATE))
-def test_per_update_features_act_once_per_cycle(name):
-    ref, acc, _, _ = fit_pair(PER_UPDATE[name], n=N, micro_batch=B, cycles=CYCLES)
+def test_per_update_features_act_once_per_cycle(name, mode):
+    ref, acc, _, _ = fit_pair(PER_UPDATE[name], n=N, micro_batch=B, cycles=CYCLES, mode=mode)
     assert acc["iterations"] == CYCLES
     assert_states_close(ref, acc)
 
@@ -53,11 +55,14 @@ def test_learning_rate_schedule_sees_applied_updates():
     np.testing.assert_allclose(float(opt.learning_rate), 1e-4)
 
 
-def test_variable_constraints_apply_once_per_cycle():
+@pytest.mark.parametrize("mode", MODES)
+def test_variable_constraints_apply_once_per_cycle(mode):
     def model():
         return make_mlp(kernel_constraint=keras.constraints.MaxNorm(0.3))
 
-    ref, acc, _, _ = fit_pair(lambda: keras.optimizers.SGD(0.5), n=N, make_model=model)
+    ref, acc, _, _ = fit_pair(
+        lambda: keras.optimizers.SGD(0.5), n=N, make_model=model, mode=mode
+    )
     assert_states_close(ref, acc)
 
 
@@ -92,7 +97,8 @@ def test_embedding_gradients_are_sparse():
     ],
     ids=["adam", "adagrad", "rmsprop"],
 )
-def test_sparse_gradients_rows_unique_within_a_cycle(make):
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_gradients_rows_unique_within_a_cycle(make, mode):
     """Non-linear optimizers: each embedding row occurs once per cycle.
 
     Keras 3 squares the values of an `IndexedSlices` gradient before summing
@@ -100,7 +106,9 @@ def test_sparse_gradients_rows_unique_within_a_cycle(make):
     on how often a row repeats; the accumulated gradient holds the summed
     rows. With rows unique within a cycle the two agree exactly.
     """
-    ref, acc, _, _ = fit_pair(make, n=N, make_model=_embedding_model, data=_sparse_data(True))
+    ref, acc, _, _ = fit_pair(
+        make, n=N, make_model=_embedding_model, data=_sparse_data(True), mode=mode
+    )
     assert_states_close(ref, acc)
 
 
@@ -109,9 +117,12 @@ def test_sparse_gradients_rows_unique_within_a_cycle(make):
     [lambda: keras.optimizers.SGD(0.5), lambda: keras.optimizers.SGD(0.5, momentum=0.9)],
     ids=["sgd", "sgd_momentum"],
 )
-def test_sparse_gradients_with_repeated_rows(make):
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_gradients_with_repeated_rows(make, mode):
     """Optimizers linear in the gradient: repeated rows make no difference."""
-    ref, acc, _, _ = fit_pair(make, n=N, make_model=_embedding_model, data=_sparse_data(False))
+    ref, acc, _, _ = fit_pair(
+        make, n=N, make_model=_embedding_model, data=_sparse_data(False), mode=mode
+    )
     assert_states_close(ref, acc)
 
 
@@ -126,10 +137,11 @@ COMPILE_MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", sorted(COMPILE_MODES))
-def test_fit_execution_modes(mode):
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("execution", sorted(COMPILE_MODES))
+def test_fit_execution_modes(execution, mode):
     ref, acc, _, _ = fit_pair(
-        lambda: keras.optimizers.Adam(1e-2), n=N, **COMPILE_MODES[mode]
+        lambda: keras.optimizers.Adam(1e-2), n=N, mode=mode, **COMPILE_MODES[execution]
     )
     assert_states_close(ref, acc)
 
@@ -153,15 +165,16 @@ LOOPS = {
 }
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loop", sorted(LOOPS))
 @pytest.mark.parametrize("entry", ["apply_gradients", "apply"])
-def test_custom_training_loops(loop, entry):
+def test_custom_training_loops(loop, entry, mode):
     make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
     x, y = make_data(B * N * CYCLES)
     ref = _reference_loop(make_opt, x, y, B * N)
 
     model = make_mlp()
-    opt = accumulate(make_opt(), N)
+    opt = accumulate(make_opt(), N, mode=mode)
     loss_fn = keras.losses.MeanSquaredError()
 
     def step(xb, yb):
@@ -192,11 +205,12 @@ IN_BETWEEN = {
 }
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(IN_BETWEEN))
-def test_in_between_micro_steps_leave_all_state_bit_identical(name):
+def test_in_between_micro_steps_leave_all_state_bit_identical(name, mode):
     x, y = make_data(B * N * CYCLES)
     model = make_mlp()
-    opt = accumulate(IN_BETWEEN[name](), N)
+    opt = accumulate(IN_BETWEEN[name](), N, mode=mode)
     opt.build(model.trainable_variables)
     loss_fn = keras.losses.MeanSquaredError()
 
@@ -222,8 +236,9 @@ def test_in_between_micro_steps_leave_all_state_bit_identical(name):
             assert_states_equal(before, after)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loss_kind", ["dense", "sparse"])
-def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(loss_kind):
+def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(loss_kind, mode):
     make_opt = lambda: keras.optimizers.Adam(1e-2, clipnorm=1.0)  # noqa: E731
     if loss_kind == "dense":
         x, y = make_data(B * CYCLES)
@@ -238,19 +253,20 @@ def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(loss_kind):
         make_model = _embedding_model
     ref_model, ref_opt = make_model(), make_opt()
     fit(ref_model, ref_opt, x, y, B)
-    model, opt = make_model(), accumulate(make_opt(), 1)
+    model, opt = make_model(), accumulate(make_opt(), 1, mode=mode)
     fit(model, opt, x, y, B)
     ref, acc = full_state(ref_model, ref_opt), full_state(model, opt)
     assert_states_equal(ref, acc)
 
 
-def test_sum_reduction_matches_sum_reduced_large_batch():
+@pytest.mark.parametrize("mode", MODES)
+def test_sum_reduction_matches_sum_reduced_large_batch(mode):
     loss = keras.losses.MeanSquaredError(reduction="sum")
     ref, acc, _, opt = fit_pair(
         lambda: keras.optimizers.SGD(1e-3, momentum=0.5),
         n=N,
         loss=loss,
-        wrap=lambda o, n: accumulate(o, n, reduction="sum"),
+        wrap=lambda o, n: accumulate(o, n, reduction="sum", mode=mode),
     )
     assert opt.reduction == "sum"
     assert_states_close(ref, acc)
@@ -260,7 +276,8 @@ def test_sum_reduction_matches_sum_reduced_large_batch():
 # None gradients.
 
 
-def test_none_gradients_count_as_zeros_and_are_still_applied():
+@pytest.mark.parametrize("mode", MODES)
+def test_none_gradients_count_as_zeros_and_are_still_applied(mode):
     """Micro-step k gives `out/bias` no gradient; the mean still applies.
 
     Reference: the plain optimizer applied to the mean of the micro-batch
@@ -276,7 +293,7 @@ def test_none_gradients_count_as_zeros_and_are_still_applied():
         return grads, missing
 
     ref_model, ref_opt = make_mlp(), make_opt()
-    model, opt = make_mlp(), accumulate(make_opt(), N)
+    model, opt = make_mlp(), accumulate(make_opt(), N, mode=mode)
     bias_index = [v.path for v in model.trainable_variables].index("mlp/out/bias")
     k = 0
     for cycle in range(CYCLES):

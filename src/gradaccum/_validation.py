@@ -6,6 +6,7 @@ import numbers
 from typing import Any
 
 _REDUCTIONS = ("mean", "sum")
+_MODES = ("masked", "skip")
 
 
 def _check_n(n: Any) -> int:
@@ -31,6 +32,15 @@ def _check_reduction(reduction: Any) -> str:
             f"Received: reduction={reduction!r}."
         )
     return reduction
+
+
+def _check_mode(mode: Any) -> str:
+    """Returns `mode`, or raises if it is not one of `_MODES`."""
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise ValueError(
+            f"`mode` must be one of {_MODES}. Received: mode={mode!r}."
+        )
+    return mode
 
 
 def _check_n_or_schedule(n: Any) -> int | Any:

@@ -27,6 +27,13 @@ class _Keras3Optimizer:
     """Adapter for `keras.optimizers.Optimizer` (Keras 3, TF backend)."""
 
     family = "Keras 3"
+    # Every state change of a Keras 3 optimizer (update steps, weight decay,
+    # EMA, constraints, the step counter) is a call of a TensorFlow
+    # variable's write method, so the masked update can mask each write
+    # instead of snapshotting all state (see `gradaccum.masking`). Adapters
+    # for optimizers that write through fused kernels on raw variable
+    # handles leave this False.
+    masks_writes = True
 
     def __init__(self, optimizer: keras.optimizers.Optimizer):
         self.optimizer = optimizer

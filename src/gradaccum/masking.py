@@ -1,21 +1,37 @@
 """Branch-free masked updates.
 
-Every micro-step runs the wrapped optimizer's real update. Before it, the
-values of every variable the update can touch are read; after it, each of
-those variables is set to `where(keep_new, new, old)`. On an in-between step
-`keep_new` is False, so every trainable variable and every optimizer variable
-(moments, counters, EMA copies, whatever the optimizer created) ends exactly
-where it started, bit for bit. No branch encloses the update, so the
-optimizer's own replica synchronisation (all-reduce, `merge_call`) runs
-unconditionally and identically on every replica.
+Every micro-step runs the wrapped optimizer's real update, and keeps its
+effect only on the apply step: on an in-between step every trainable
+variable and every optimizer variable (moments, counters, EMA copies,
+whatever the optimizer created) ends exactly where it started, bit for bit.
+No branch encloses the update, so the optimizer's own replica
+synchronisation (all-reduce, `merge_call`) runs unconditionally and
+identically on every replica.
 
-`tf.where` is used rather than multiplying by 0/1, so a non-finite value in
-the discarded update cannot leak into the kept one (0 x inf is NaN).
+Two ways to mask, chosen by the optimizer family's adapter:
+
+- Masked writes (`_masking_writes`), for optimizers whose every state change
+  goes through a write method of a TensorFlow variable (`assign`,
+  `assign_add`, `assign_sub`, `scatter_*`), as Keras 3 optimizers' do. While
+  the update runs, each of those writes to a tracked variable happens only
+  if `keep_new`: `tf.cond(keep_new, write, nothing)` around that one write,
+  whose value is computed unconditionally. Nothing is copied ahead of the
+  update, and an in-between step writes nothing.
+- Snapshot and select (`_snapshot_update`), for optimizers that write through
+  fused kernels on raw variable handles: the values of every tracked
+  variable are read before the update and selected after it. This keeps one
+  copy of all of them alive until the select.
+
+Selecting or skipping a write, rather than multiplying by 0/1, means a
+non-finite value in the discarded update cannot leak into the kept one
+(0 x inf is NaN).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Sequence
 
 import tensorflow as tf
 
@@ -32,8 +48,15 @@ def _unique(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
     return out
 
 
-def _pick(var: tf.Variable, keep_new: tf.Tensor, old: tf.Tensor) -> Any:
-    return var.assign(tf.where(keep_new, var.read_value(), old))
+def _select(keep_new: tf.Tensor, new: Any, old: Any) -> tf.Tensor:
+    """`new` if the scalar `keep_new` holds, else `old` (same shape and dtype).
+
+    The whole tensor is passed on, not computed: TensorFlow's `Select` with a
+    scalar condition forwards one input's buffer, where `tf.where` (which
+    broadcasts) runs an elementwise pass as costly as the update itself.
+    Nothing of the discarded value reaches the result, NaN and inf included.
+    """
+    return tf.raw_ops.Select(condition=keep_new, x=new, y=old)
 
 
 def _masked_update(
@@ -41,6 +64,7 @@ def _masked_update(
     keep_new: tf.Tensor,
     state: Sequence[tf.Variable],
     update: Callable[[], Any],
+    masks_writes: bool = False,
 ) -> None:
     """Runs `update()`, then keeps its effect on `state` only if `keep_new`.
 
@@ -50,7 +74,60 @@ def _masked_update(
         state: TensorFlow variables `update` may write. Anything it writes
             outside this list is not rolled back.
         update: Runs the real update in the current (replica) context.
+        masks_writes: Whether every write `update` makes goes through a
+            variable's write methods, so each write can be masked where it
+            happens (no copy of `state`). Otherwise `state` is snapshotted.
     """
+    if masks_writes:
+        with _masking_writes(state, keep_new):
+            update()
+    else:
+        _snapshot_update(strategy, keep_new, state, update)
+
+
+def _read_after_writes(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
+    """Reads `variables` once the writes made so far to all of them have run.
+
+    Each accumulator is otherwise read as soon as its own micro-gradient has
+    been added, and what is computed from it allocated while the
+    micro-gradients of other variables are still alive.
+    """
+    reads = [v.read_value() for v in variables]
+    with tf.control_dependencies(reads):
+        return [tf.identity(r) for r in reads]
+
+
+def _zero_if(keep_new: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
+    """Sets replica-local `variables` to zero if `keep_new`.
+
+    A `tf.cond`: its branch writes only replica-local variables and
+    synchronises nothing, and on an in-between step nothing is allocated.
+    The zeros are filled at run time from a value TensorFlow cannot know in
+    advance: zeros of a static shape are folded into a graph constant, which
+    then stays in memory.
+    """
+
+    def zero() -> None:
+        for v in variables:
+            v.assign(tf.fill(tf.shape(v), tf.cast(tf.logical_not(keep_new), v.dtype)))
+
+    tf.cond(keep_new, zero, _nothing)
+
+
+# ----------------------------------------------------------------------
+# Snapshot and select: one copy of all of `state` alive during the update.
+
+
+def _pick(var: tf.Variable, keep_new: tf.Tensor, old: tf.Tensor) -> Any:
+    return var.assign(_select(keep_new, var.read_value(), old))
+
+
+def _snapshot_update(
+    strategy: tf.distribute.Strategy,
+    keep_new: tf.Tensor,
+    state: Sequence[tf.Variable],
+    update: Callable[[], Any],
+) -> None:
     state = _unique(state)
     old = [v.read_value() for v in state]
     update()
@@ -59,3 +136,126 @@ def _masked_update(
         _assign_each(strategy, state, _pick, [keep_new] * len(state), old)
 
     _in_cross_replica(strategy, select, keep_new, old)
+
+
+# ----------------------------------------------------------------------
+# Masked writes: each write happens only if `keep_new`.
+
+# The write methods of `tf.Variable`.
+_WRITES = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "scatter_add",
+    "scatter_sub",
+    "scatter_max",
+    "scatter_min",
+    "scatter_mul",
+    "scatter_div",
+    "scatter_update",
+    "batch_scatter_update",
+    "scatter_nd_add",
+    "scatter_nd_sub",
+    "scatter_nd_update",
+    "scatter_nd_max",
+    "scatter_nd_min",
+)
+_MISSING = object()
+
+
+def _nothing() -> None:
+    return None
+
+
+class _WriteMask:
+    """The write methods of one TensorFlow variable, masked by `keep_new`.
+
+    A masked write is `tf.cond(keep_new, write, nothing)`. The branch holds
+    that one write and nothing that synchronises replicas; the value it
+    writes is computed outside, unconditionally. Selecting between the new
+    and the current value instead would assign a variable its own buffer on
+    every in-between step, which TensorFlow does by copying it.
+    """
+
+    def __init__(self, variable: tf.Variable, keep_new: tf.Tensor):
+        self.variable = variable
+        self.keep_new = keep_new
+        self.users = 0
+        self._saved: dict[str, Any] = {}
+
+    def install(self) -> None:
+        var = self.variable
+        for name in _WRITES:
+            if hasattr(var, name):
+                self._saved[name] = var.__dict__.get(name, _MISSING)
+                setattr(var, name, self._masked(getattr(var, name)))
+
+    def uninstall(self) -> None:
+        var = self.variable
+        for name, saved in self._saved.items():
+            delattr(var, name)
+            if saved is not _MISSING:
+                setattr(var, name, saved)
+        self._saved.clear()
+
+    def _masked(self, write: Callable[..., Any]) -> Callable[..., Any]:
+        var = self.variable
+
+        def masked_write(*args: Any, **kwargs: Any) -> tf.Variable:
+            def run() -> None:
+                write(*args, **kwargs)
+
+            tf.cond(self.keep_new, run, _nothing)
+            return var
+
+        return masked_write
+
+
+# Variables whose write methods are masked now, by id. Under
+# `MirroredStrategy` every replica thread masks the same variables and the
+# optimizer writes them from a `merge_call` in yet another thread, so the
+# masks are shared and counted; every replica's `keep_new` has the same
+# value, so the first one serves all.
+_MASKS: dict[int, _WriteMask] = {}
+_MASKS_LOCK = threading.Lock()
+
+
+def _leaf_variables(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
+    """The variables writes reach: each replica's copy of a distributed one."""
+    leaves: list[tf.Variable] = []
+    for v in variables:
+        if isinstance(v, tf.distribute.DistributedValues):
+            leaves.extend(v.values)
+        else:
+            leaves.append(v)
+    return _unique(leaves)
+
+
+@contextlib.contextmanager
+def _masking_writes(
+    variables: Sequence[tf.Variable], keep_new: tf.Tensor
+) -> Iterator[None]:
+    """Within the block, writes to `variables` take effect only if `keep_new`.
+
+    Args:
+        variables: TensorFlow variables (plain or distributed).
+        keep_new: Scalar boolean tensor.
+    """
+    leaves = _leaf_variables(variables)
+    with _MASKS_LOCK:
+        for v in leaves:
+            mask = _MASKS.get(id(v))
+            if mask is None:
+                mask = _MASKS[id(v)] = _WriteMask(v, keep_new)
+                mask.install()
+            mask.users += 1
+    try:
+        yield
+    finally:
+        with _MASKS_LOCK:
+            for v in leaves:
+                mask = _MASKS[id(v)]
+                mask.users -= 1
+                if mask.users == 0:
+                    mask.uninstall()
+                    del _MASKS[id(v)]

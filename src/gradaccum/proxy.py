@@ -10,6 +10,7 @@ import tensorflow as tf
 import wrapt
 
 from gradaccum._validation import (
+    _check_mode,
     _check_n,
     _check_n_or_schedule,
     _check_reduction,
@@ -23,12 +24,13 @@ from gradaccum.distribution import (
     _replica_local,
 )
 from gradaccum.loss_scaling import _inner_attribute, _install
-from gradaccum.masking import _masked_update
+from gradaccum.masking import _masked_update, _read_after_writes, _select, _zero_if
 from gradaccum.serialization import (
     _AccumulationState,
     _Saveable,
     _install_keras_serialization,
 )
+from gradaccum.skipping import _skipped_update
 
 
 def _accumulator_dtype(variable: Any) -> tf.DType:
@@ -80,8 +82,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     weight decay, EMA, constraints, learning-rate schedules and `iterations`
     see exactly what training on the `n`-times larger batch sees.
 
-    The update is branch-free: every call runs the wrapped optimizer's update
-    and keeps its result only on the apply step (see `gradaccum.masking`).
+    By default (`mode="masked"`) the update is branch-free: every call runs
+    the wrapped optimizer's update and keeps its result only on the apply
+    step (see `gradaccum.masking`). With `mode="skip"` the update runs only
+    on the apply step (see `gradaccum.skipping`).
 
     Wrapping a loss-scale optimizer accumulates inside it, on its inner
     optimizer: the result is still the loss-scale optimizer to other code,
@@ -99,12 +103,15 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             example `lambda step: tf.where(step < 100, 2, 8)`).
         reduction: `"mean"` applies the (weighted) mean of the micro-gradients
             (for mean-reduced losses), `"sum"` their (weighted) sum.
+        mode: `"masked"` or `"skip"`: whether the wrapped optimizer's update
+            runs on every micro-step (its result kept only on the apply
+            step) or only on the apply step.
 
     Raises:
         TypeError: If `optimizer` is not a Keras optimizer or `n` is neither
             an int nor a callable.
-        ValueError: If `n < 1`, `reduction` is unknown, or `optimizer`
-            already accumulates gradients.
+        ValueError: If `n < 1`, `reduction` or `mode` is unknown, or
+            `optimizer` already accumulates gradients.
     """
 
     def __init__(
@@ -112,6 +119,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         optimizer: keras.optimizers.Optimizer,
         n: int | Callable[[tf.Tensor], Any],
         reduction: str = "mean",
+        mode: str = "masked",
         *,
         _adopt: bool = False,
     ):
@@ -126,6 +134,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         adapter = _adapter_for(optimizer) if adopted is not None else _check_optimizer(optimizer)
         n = _check_n_or_schedule(n)
         reduction = _check_reduction(reduction)
+        mode = _check_mode(mode)
         super().__init__(optimizer)
         self._self_adapter = adapter
         # Where the accumulation happens: this proxy, or for a loss-scale
@@ -138,13 +147,16 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             self._self_core = _install(
                 optimizer,
                 attribute,
-                lambda inner: AccumulatingOptimizer(inner, n, reduction=reduction),
+                lambda inner: AccumulatingOptimizer(
+                    inner, n, reduction=reduction, mode=mode
+                ),
             )
             return
         self._self_schedule = None if isinstance(n, int) else n
         self._self_n = n if isinstance(n, int) else None
         self._self_n_variable: tf.Variable | None = None
         self._self_reduction = reduction
+        self._self_mode = mode
         self._self_state: _AccumulationState | None = None
         self._self_variables: list[Any] = []
         self._self_index: dict[Any, int] = {}
@@ -198,6 +210,11 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     def reduction(self) -> str:
         """`"mean"` or `"sum"`: how the micro-gradients are combined."""
         return self._self_core._self_reduction
+
+    @property
+    def mode(self) -> str:
+        """`"masked"` or `"skip"`: when the wrapped optimizer's update runs."""
+        return self._self_core._self_mode
 
     @property
     def micro_step(self) -> tf.Tensor:
@@ -540,35 +557,43 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
 
     def _finish_cycle_if(self, keep_new: tf.Tensor, count: tf.Tensor) -> None:
-        """Runs the masked update; on `keep_new`, keeps it and clears the cycle."""
+        """Runs the update (masked or skipped); on `keep_new`, keeps it and clears the cycle."""
         adapter = self._self_adapter
         state = self._self_state
         included = sorted(self._self_seen)
         self._check_left_out(keep_new, included)
-        accumulated = [state.accumulators[i].read_value() for i in included]
+        accumulated = _read_after_writes([state.accumulators[i] for i in included])
         variables = [self._self_variables[i] for i in included]
         divisor = self._mean_divisor()
-        update_grads = [
-            tf.cast(a if divisor is None else a / tf.cast(divisor, a.dtype), tf.as_dtype(v.dtype))
-            for a, v in zip(accumulated, variables)
-        ]
-        tracked = adapter.state_variables()
-        # Every variable the optimizer was built for, not only those in this
-        # update: with `ema_overwrite_frequency` Keras overwrites all of them
-        # with their moving averages, gradient or not.
-        tracked += [adapter.model_variable(v) for v in self._self_variables]
         options = self._self_apply_options
-        _masked_update(
-            adapter.strategy(),
-            keep_new,
-            tracked,
-            lambda: adapter.apply_accumulated(update_grads, variables, **options),
-        )
-        for i, a in zip(included, accumulated):
-            state.accumulators[i].assign(tf.where(keep_new, tf.zeros_like(a), a))
-        total = state.weight_total.read_value()
-        state.weight_total.assign(tf.where(keep_new, tf.zeros_like(total), total))
-        state.micro_step.assign(tf.where(keep_new, tf.zeros_like(count), count))
+
+        def apply_accumulated(accumulated: list[tf.Tensor], divisor: Any = None) -> None:
+            update_grads = [
+                tf.cast(a if divisor is None else a / tf.cast(divisor, a.dtype), tf.as_dtype(v.dtype))
+                for a, v in zip(accumulated, variables)
+            ]
+            adapter.apply_accumulated(update_grads, variables, **options)
+
+        # Per-replica inputs of the update: arguments, not captured (skip mode
+        # runs `apply_accumulated` in every replica's thread).
+        inputs = [accumulated] if divisor is None else [accumulated, divisor]
+        if self._self_mode == "skip":
+            _skipped_update(keep_new, apply_accumulated, *inputs)
+        else:
+            tracked = adapter.state_variables()
+            # Every variable the optimizer was built for, not only those in
+            # this update: with `ema_overwrite_frequency` Keras overwrites all
+            # of them with their moving averages, gradient or not.
+            tracked += [adapter.model_variable(v) for v in self._self_variables]
+            _masked_update(
+                adapter.strategy(),
+                keep_new,
+                tracked,
+                lambda: apply_accumulated(*inputs),
+                masks_writes=getattr(adapter, "masks_writes", False),
+            )
+        _zero_if(keep_new, [state.accumulators[i] for i in included] + [state.weight_total])
+        state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
 
     def _check_left_out(self, keep_new: tf.Tensor, included: list[int]) -> None:
         """Refuses to drop gradients a traced step cannot see.
@@ -628,7 +653,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             position = str(int(self.micro_step.numpy()))
         return (
             f"<AccumulatingOptimizer n={self.n} "
-            f"reduction={self.reduction!r} micro_step={position} "
+            f"reduction={self.reduction!r} mode={self.mode!r} micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
 
@@ -638,6 +663,7 @@ def accumulate(
     n: int | Callable[[tf.Tensor], Any] | None = None,
     *,
     reduction: str = "mean",
+    mode: str = "masked",
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -657,6 +683,14 @@ def accumulate(
             does; `"sum"` applies their sum (for sum-reduced losses). Weighted
             micro-batches (`apply_gradients(..., weight=w)`) give the weighted
             mean or sum.
+        mode: `"masked"` (default) runs the wrapped optimizer's update on
+            every micro-step and keeps its result only on the apply step,
+            with no branch around it: every micro-step runs the same
+            operations, including the optimizer's replica synchronisation.
+            `"skip"` runs the update only on the apply step (a `tf.cond`
+            decided in cross-replica context, so it works under
+            `MirroredStrategy`): in-between micro-steps cost only the
+            accumulation. Both give the same result.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -665,8 +699,8 @@ def accumulate(
     Raises:
         TypeError: If `n` is missing or neither an int nor a callable, or
             `optimizer` is not a Keras optimizer.
-        ValueError: If `n < 1`, `reduction` is unknown, or `optimizer`
-            already accumulates gradients.
+        ValueError: If `n < 1`, `reduction` or `mode` is unknown, or
+            `optimizer` already accumulates gradients.
     """
     if n is None:
         raise TypeError(
@@ -674,8 +708,9 @@ def accumulate(
         )
     n = _check_n_or_schedule(n)
     reduction = _check_reduction(reduction)
+    mode = _check_mode(mode)
     if optimizer is not None:
-        return AccumulatingOptimizer(optimizer, n, reduction=reduction)
+        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode)
 
     def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(factory):
@@ -688,7 +723,7 @@ def accumulate(
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
             return AccumulatingOptimizer(
-                factory(*args, **kwargs), n, reduction=reduction
+                factory(*args, **kwargs), n, reduction=reduction, mode=mode
             )
 
         return make

@@ -16,7 +16,7 @@ optimizer's variables under their usual keys and its own state under
 `gradaccum_*` keys. Keras serializes an object by its `__class__`, which a
 proxy reports as the wrapped optimizer's; so `gradaccum` makes Keras's
 `serialize_keras_object` write an `AccumulatingOptimizer` as itself (a config
-with the wrapped optimizer's config, `n` and `reduction`, registered as
+with the wrapped optimizer's config, `n`, `reduction` and `mode`, registered as
 `gradaccum>AccumulatingOptimizer`), and `load_model` needs no
 `custom_objects` once `gradaccum` is imported, under `safe_mode=True` too.
 """
@@ -224,6 +224,7 @@ class _Saveable:
             # A schedule is serialized as Keras serializes any function.
             "n": n if isinstance(n, int) else serialization_lib.serialize_keras_object(n),
             "reduction": self.reduction,
+            "mode": self.mode,
         }
         return {
             "module": "gradaccum",
@@ -239,7 +240,7 @@ class _Saveable:
         Args:
             config: The `"config"` part of what `keras.saving.serialize_keras_object`
                 writes for an `AccumulatingOptimizer`: the wrapped optimizer's
-                serialized config, `n` and `reduction`.
+                serialized config, `n`, `reduction` and `mode`.
             custom_objects: Passed on to Keras's deserialization.
 
         Returns:
@@ -264,6 +265,7 @@ class _Saveable:
             inner,
             n,
             reduction=config.get("reduction", "mean"),
+            mode=config.get("mode", "masked"),
             _adopt=True,
         )
 

@@ -1,0 +1,589 @@
+"""Speed and memory of `accumulate()` against the plain optimizer and Keras's
+built-in `gradient_accumulation_steps`, with each target and pass/fail.
+
+    python benchmarks/bench.py            # full run (about 15 minutes on 2 cores)
+    python benchmarks/bench.py --quick    # smoke run (about 3 minutes)
+    python benchmarks/bench.py --only time memory growth tracing
+
+Method
+------
+Time: every variant of a case lives in one process, each with its own model
+(same architecture and initial weights) and optimizer, compiled and warmed up
+(traced) first. Each round times one `model.fit` over the same samples for
+every variant, in an order rotated from round to round, and divides each
+variant's time by the plain optimizer's time in that round; the table gives
+the median of these per-round ratios, so drift and load spikes that last
+longer than one round cancel. Process CPU time (all threads) is steadier
+than wall time under load from other processes; both are reported, targets
+are judged on CPU time. "plain B (A/A)" is a second, identical plain
+optimizer: its ratio shows the noise. Every variant trains on the same
+samples per `fit`, so a ratio is a ratio of time per micro-batch of B
+samples (for "plain B*n", per B samples of its B*n batches).
+
+Memory: every variant runs in a fresh process on a model of about 25M
+parameters. Big buffers are returned to the system when freed
+(`MALLOC_MMAP_THRESHOLD_`), so the peak resident set size follows the live
+tensors. After warm-up the peak is reset (`/proc/self/clear_refs`) and
+measured over the following micro-steps. "extra" is a variant's peak minus
+the plain optimizer's peak, in multiples of the parameter bytes.
+
+Growth: 5,000 micro-steps of `fit` in a fresh process, resident set size
+sampled every 250 steps.
+
+Tracing: how often `fit` runs the proxy's Python code (once per trace of the
+train function), for several `n`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+N = 4  # micro-batches per update in every case
+TARGETS = {
+    "masked_vs_plain_mlp_adam": 1.15,
+    "masked_vs_plain_conv": 1.03,
+    "skip_vs_keras_mlp_adam": 1.05,
+    "masked_extra_memory": 1.5,
+}
+
+
+# ----------------------------------------------------------------------
+# Models, optimizers and variants.
+
+
+def _tf():
+    import keras
+    import tensorflow as tf
+
+    return tf, keras
+
+
+def make_model(kind: str, seed: int = 0):
+    _, keras = _tf()
+    keras.utils.set_random_seed(seed)
+    if kind == "mlp":  # ~4.2M parameters: optimizer-heavy at B=8
+        layers = [
+            keras.Input((1024,)),
+            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    elif kind == "conv":  # ~57K parameters: compute-heavy at B=64
+        layers = [
+            keras.Input((32, 32, 3)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
+    elif kind == "big":  # ~25.2M parameters: for memory
+        layers = [
+            keras.Input((1024,)),
+            keras.layers.Dense(4096, activation="relu"),
+            keras.layers.Dense(4096, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    elif kind == "small":  # ~85K parameters: for 5,000 quick steps
+        layers = [
+            keras.Input((64,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    else:
+        raise ValueError(kind)
+    return keras.Sequential(layers, name=kind)
+
+
+def make_data(kind: str, samples: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    shape = {"mlp": (1024,), "big": (1024,), "small": (64,), "conv": (32, 32, 3)}[kind]
+    x = rng.normal(size=(samples, *shape)).astype("float32")
+    y = rng.normal(size=(samples, 10)).astype("float32")
+    return x, y
+
+
+def make_optimizer(name: str, **kwargs):
+    _, keras = _tf()
+    if name == "adam":
+        return keras.optimizers.Adam(1e-4, **kwargs)
+    if name == "sgd":
+        return keras.optimizers.SGD(1e-3, **kwargs)
+    raise ValueError(name)
+
+
+# name -> (how to make the optimizer, batch size as a multiple of B)
+def variants(opt_name: str) -> dict[str, tuple[Callable[[], Any], int]]:
+    from gradaccum import accumulate
+
+    return {
+        "plain B": (lambda: make_optimizer(opt_name), 1),
+        "plain B (A/A)": (lambda: make_optimizer(opt_name), 1),
+        "masked": (lambda: accumulate(make_optimizer(opt_name), N), 1),
+        "skip": (lambda: accumulate(make_optimizer(opt_name), N, mode="skip"), 1),
+        "keras": (lambda: make_optimizer(opt_name, gradient_accumulation_steps=N), 1),
+        "plain B*n": (lambda: make_optimizer(opt_name), N),
+    }
+
+
+# ----------------------------------------------------------------------
+# Time.
+
+
+def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log):
+    tf, _ = _tf()
+    x, y = make_data(model_kind, batch * micro_steps)
+    runs = {}
+    for name, (make_opt, factor) in variants(opt_name).items():
+        model = make_model(model_kind)
+        model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * factor).cache()
+        for _ in range(2):  # trace, then one untimed run
+            model.fit(ds, epochs=1, verbose=0)
+        runs[name] = (model, ds)
+    names = list(runs)
+    cpu = {k: [] for k in names}
+    wall = {k: [] for k in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        if r % 2:
+            order.reverse()
+        for name in order:
+            model, ds = runs[name]
+            c0, w0 = time.process_time(), time.perf_counter()
+            model.fit(ds, epochs=1, verbose=0)
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+        log(".", end="")
+    log("")
+    base_cpu, base_wall = np.array(cpu["plain B"]), np.array(wall["plain B"])
+    out = {}
+    for name in names:
+        rc = np.array(cpu[name]) / base_cpu
+        rw = np.array(wall[name]) / base_wall
+        out[name] = {
+            "cpu_ratio": float(np.median(rc)),
+            "cpu_ratio_iqr": [float(np.percentile(rc, 25)), float(np.percentile(rc, 75))],
+            "wall_ratio": float(np.median(rw)),
+            "cpu_ms_per_micro_step": 1000 * float(np.median(cpu[name])) / micro_steps,
+            "wall_ms_per_micro_step": 1000 * float(np.median(wall[name])) / micro_steps,
+        }
+    return out
+
+
+def run_time(quick: bool, log) -> dict:
+    rounds = 3 if quick else 9
+    cases = [
+        ("mlp", "adam", 8, 16 * N),
+        ("mlp", "sgd", 8, 16 * N),
+        ("conv", "adam", 64, 4 * N),
+    ]
+    if quick:
+        cases = [(m, o, b, 2 * N) for m, o, b, _ in cases]
+    results = {}
+    for model_kind, opt_name, batch, steps in cases:
+        for jit in (False, True):
+            key = f"{model_kind}/{opt_name}/B={batch}/{'jit' if jit else 'graph'}"
+            log(f"  time {key} ({steps} micro-steps x {rounds} rounds) ", end="")
+            results[key] = time_case(model_kind, opt_name, batch, jit, steps, rounds, log)
+    return results
+
+
+# ----------------------------------------------------------------------
+# Memory (one fresh process per variant).
+
+
+def _rss_kib(field: str = "VmRSS") -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _nbytes(variables) -> int:
+    total = 0
+    for v in variables:
+        dtype = np.dtype(getattr(v.dtype, "name", v.dtype))
+        total += int(np.prod(v.shape)) * dtype.itemsize
+    return total
+
+
+def memory_child(variant: str, steps: int) -> dict:
+    tf, keras = _tf()
+    from gradaccum import accumulate
+
+    batch = 8
+    make = {
+        "plain B": lambda: make_optimizer("adam"),
+        "masked": lambda: accumulate(make_optimizer("adam"), N),
+        "skip": lambda: accumulate(make_optimizer("adam"), N, mode="skip"),
+        "keras": lambda: make_optimizer("adam", gradient_accumulation_steps=N),
+        "masked, snapshot fallback": lambda: accumulate(make_optimizer("adam"), N),
+    }[variant]
+    if variant == "masked, snapshot fallback":
+        from gradaccum.adapters import _Keras3Optimizer
+
+        _Keras3Optimizer.masks_writes = False
+    x, y = make_data("big", batch * steps)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
+    model = make_model("big")
+    opt = make()
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(ds.take(2 * N), epochs=1, verbose=0)  # trace and build
+    params = _nbytes(model.trainable_variables)
+    opt_bytes = _nbytes(opt.variables)
+    state = getattr(opt, "_self_state", None)
+    acc_bytes = _nbytes(state.accumulators) if state is not None else 0
+    # In-between micro-steps only (warm-up ended on an apply step).
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.fit(ds.take(N - 1), epochs=1, verbose=0)
+    tf_in_between = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    model.fit(ds.take(1), epochs=1, verbose=0)
+    rss_before = _rss_kib()
+    tf_before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    _reset_peak()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.fit(ds, epochs=1, verbose=0)
+    peak = _rss_kib("VmHWM")
+    tf_mem = tf.config.experimental.get_memory_info("CPU:0")
+    return {
+        "param_bytes": params,
+        "optimizer_variable_bytes": opt_bytes,
+        "accumulator_bytes": acc_bytes,
+        "rss_before_kib": rss_before,
+        "peak_kib": peak,
+        "tf_before_bytes": tf_before,
+        "tf_peak_bytes": tf_mem["peak"],
+        "tf_peak_in_between_bytes": tf_in_between,
+        "tf_after_bytes": tf_mem["current"],
+    }
+
+
+def _child(args: list[str]) -> dict:
+    env = dict(os.environ)
+    env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    env["MALLOC_TRIM_THRESHOLD_"] = str(128 * 1024)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [os.path.join(HERE, "..", "src"), env.get("PYTHONPATH", "")] if p
+    )
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"child {args} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_memory(quick: bool, log) -> dict:
+    """Each variant in fresh processes; medians over repeats.
+
+    The peak depends on the order in which TensorFlow's executor happens to
+    run independent operations, so it varies from run to run.
+    """
+    steps = 4 * N if quick else 8 * N
+    repeats = 1 if quick else 3
+    names = ["plain B", "masked", "skip", "keras", "masked, snapshot fallback"]
+    results = {}
+    for name in names:
+        log(f"  memory {name!r} ({steps} micro-steps, ~25M parameters, {repeats}x)")
+        runs = [_child(["memory", name, str(steps)]) for _ in range(repeats)]
+        r = dict(runs[0])
+        for key in ("peak_kib", "tf_peak_bytes", "tf_peak_in_between_bytes", "tf_before_bytes",
+                    "rss_before_kib"):
+            r[key] = float(np.median([run[key] for run in runs]))
+            r[key + "_runs"] = [run[key] for run in runs]
+        results[name] = r
+    base = results["plain B"]
+    for name, r in results.items():
+        r["extra_rss_x_params"] = (r["peak_kib"] - base["peak_kib"]) * 1024 / r["param_bytes"]
+        r["extra_tf_x_params"] = (r["tf_peak_bytes"] - base["tf_peak_bytes"]) / r["param_bytes"]
+        r["extra_tf_in_between_x_params"] = (
+            r["tf_peak_in_between_bytes"] - base["tf_peak_in_between_bytes"]
+        ) / r["param_bytes"]
+    return results
+
+
+# ----------------------------------------------------------------------
+# Growth over 5,000 micro-steps (fresh process per variant).
+
+
+def growth_child(variant: str, steps: int) -> dict:
+    tf, keras = _tf()
+    from gradaccum import accumulate
+
+    make = {
+        "plain B": lambda: make_optimizer("adam"),
+        "masked": lambda: accumulate(make_optimizer("adam"), N),
+        "skip": lambda: accumulate(make_optimizer("adam"), N, mode="skip"),
+    }[variant]
+    batch = 8
+    x, y = make_data("small", batch * 100)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache().repeat()
+    model = make_model("small")
+    model.compile(optimizer=make(), loss="mse")
+    samples: list[tuple[int, int]] = []
+
+    class Sample(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if (batch + 1) % 250 == 0:
+                samples.append((batch + 1, _rss_kib()))
+
+    model.fit(ds, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[Sample()])
+    return {"samples": samples}
+
+
+def run_growth(quick: bool, log) -> dict:
+    steps = 1000 if quick else 5000
+    results = {}
+    for name in ["plain B", "masked", "skip"]:
+        log(f"  growth {name!r} ({steps} micro-steps)")
+        samples = _child(["growth", name, str(steps)])["samples"]
+        first = steps // 5  # skip warm-up (allocator and caches settling)
+        xs = np.array([s for s, _ in samples if s >= first], float)
+        rss = np.array([r for s, r in samples if s >= first], float) / 1024
+        slope = float(np.polyfit(xs, rss, 1)[0]) * 1000 if len(xs) > 1 else 0.0
+        results[name] = {
+            "steps": steps,
+            "rss_mib_at": {int(s): round(r / 1024, 1) for s, r in samples[:: max(1, len(samples) // 5)]},
+            "growth_mib": float(rss[-1] - rss[0]),
+            "slope_mib_per_1000_steps": slope,
+            "from_step": first,
+        }
+    return results
+
+
+# ----------------------------------------------------------------------
+# Tracing.
+
+
+def run_tracing(quick: bool, log) -> dict:
+    """Python calls of the proxy's update code per `fit` (one per trace).
+
+    With the optimizer built before `fit`, once per batch shape (Keras traces
+    with an unknown batch size, so a last, smaller batch adds none). Unbuilt,
+    `tf.function` traces twice on the first call because variables are
+    created in it, as it does for the plain optimizer.
+    """
+    tf, keras = _tf()
+    from gradaccum import AccumulatingOptimizer, accumulate
+
+    calls = []
+    original = AccumulatingOptimizer._apply
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    class CountingAdam(keras.optimizers.Adam):
+        def apply(self, *args, **kwargs):
+            calls.append(1)
+            return super().apply(*args, **kwargs)
+
+    def traces(make_opt, n, build):
+        calls.clear()
+        x, y = make_data("small", 8 * n * 3 + 2)  # a last batch of 2
+        model = make_model("small")
+        opt = make_opt(n)
+        if build:
+            opt.build(model.trainable_variables)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+        return len(calls)
+
+    AccumulatingOptimizer._apply = counting
+    results = {}
+    try:
+        for build in (True, False):
+            when = "built" if build else "unbuilt"
+            results[f"plain/{when}"] = traces(lambda n: CountingAdam(1e-4), 1, build)
+            for mode in ("masked", "skip"):
+                for n in (1, 2, 4, 8):
+                    results[f"{mode}/n={n}/{when}"] = traces(
+                        lambda n: accumulate(make_optimizer("adam"), n, mode=mode), n, build
+                    )
+        log(f"  tracing: {results}")
+    finally:
+        AccumulatingOptimizer._apply = original
+    return results
+
+
+# ----------------------------------------------------------------------
+# Report.
+
+
+def machine() -> dict:
+    tf, keras = _tf()
+    import gradaccum
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "platform": platform.platform(),
+        "gradaccum": os.path.relpath(os.path.dirname(gradaccum.__file__), os.path.join(HERE, "..")),
+    }
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def report(res: dict, print_fn=print) -> None:
+    p = print_fn
+    m = res["machine"]
+    p(f"\nMachine: {m['cpu']}, {m['cores']} cores; Python {m['python']}, "
+      f"TensorFlow {m['tensorflow']}, Keras {m['keras']}")
+    p(f"Load average (1 min) at start / end: {res['load'][0]:.2f} / {res['load'][1]:.2f}")
+    if "time" in res:
+        p("\nTime per micro-step, ratio to the plain optimizer at micro-batch B "
+          "(median of per-round ratios; CPU [interquartile] / wall)")
+        names = list(next(iter(res["time"].values())))
+        header = "| case | " + " | ".join(names) + " |"
+        p(header)
+        p("|" + "---|" * (len(names) + 1))
+        for case, r in res["time"].items():
+            cells = [
+                f"{r[n]['cpu_ratio']:.2f} [{r[n]['cpu_ratio_iqr'][0]:.2f}-{r[n]['cpu_ratio_iqr'][1]:.2f}]"
+                f" / {r[n]['wall_ratio']:.2f}"
+                for n in names
+            ]
+            p(f"| {case} | " + " | ".join(cells) + " |")
+        p("\nPlain optimizer at B, ms per micro-step (median CPU / wall):")
+        for case, r in res["time"].items():
+            p(f"  {case}: {r['plain B']['cpu_ms_per_micro_step']:.1f} / "
+              f"{r['plain B']['wall_ms_per_micro_step']:.1f}")
+    if "memory" in res:
+        mem = res["memory"]
+        params = next(iter(mem.values()))["param_bytes"]
+        p(f"\nMemory (~25M-parameter MLP, {params / 2**20:.0f} MiB of parameters; Adam, B=8, n=4; "
+          "MiB, medians of fresh processes). Extra: peak minus the plain optimizer's peak, "
+          "in multiples of the parameter bytes.")
+        p("| variant | variables created: optimizer + accumulators | peak, TensorFlow allocator | "
+          "extra | extra, in-between steps only | peak RSS | extra |")
+        p("|---|---|---|---|---|---|---|")
+        for name, r in mem.items():
+            p(f"| {name} | {r['optimizer_variable_bytes'] / 2**20:.0f} + "
+              f"{r['accumulator_bytes'] / 2**20:.0f} | {r['tf_peak_bytes'] / 2**20:.0f} | "
+              f"{r['extra_tf_x_params']:.2f}x | {r['extra_tf_in_between_x_params']:.2f}x | "
+              f"{r['peak_kib'] / 1024:.0f} | {r['extra_rss_x_params']:.2f}x |")
+    if "growth" in res:
+        p("\nResident set size over many micro-steps (small MLP, Adam, B=8, n=4)")
+        for name, r in res["growth"].items():
+            p(f"  {name}: {r['rss_mib_at']} MiB; from step {r['from_step']} to {r['steps']}: "
+              f"{r['growth_mib']:+.1f} MiB ({r['slope_mib_per_1000_steps']:+.2f} MiB per 1000 steps)")
+    if "tracing" in res:
+        p("\nTraces of the update per fit (3 epochs, batches of 8 and a last one of 2):")
+        for when in ("built", "unbuilt"):
+            row = {k.rsplit("/", 1)[0]: v for k, v in res["tracing"].items() if k.endswith(when)}
+            p(f"  optimizer {when} before fit: {row}")
+
+    p("\nTargets")
+    rows = []
+    if "time" in res:
+        for exe in ("graph", "jit"):
+            r = res["time"].get(f"mlp/adam/B=8/{exe}")
+            if r:
+                v = r["masked"]["cpu_ratio"]
+                t = TARGETS["masked_vs_plain_mlp_adam"]
+                rows.append((f"masked / plain, MLP Adam B=8, {exe}", f"{v:.2f}", f"<= {t}", v <= t))
+                v = r["skip"]["cpu_ratio"] / r["keras"]["cpu_ratio"]
+                t = TARGETS["skip_vs_keras_mlp_adam"]
+                rows.append((f"skip / Keras built-in, MLP Adam B=8, {exe}", f"{v:.2f}", f"<= {t}", v <= t))
+            r = res["time"].get(f"conv/adam/B=64/{exe}")
+            if r:
+                v = r["masked"]["cpu_ratio"]
+                t = TARGETS["masked_vs_plain_conv"]
+                rows.append((f"masked / plain, conv B=64, {exe}", f"{v:.2f}", f"<= {t}", v <= t))
+    if "memory" in res:
+        t = TARGETS["masked_extra_memory"]
+        v = res["memory"]["masked"]["extra_tf_x_params"]
+        rows.append(("masked: extra peak memory, TensorFlow allocator (x parameter bytes)",
+                     f"{v:.2f}", f"<= {t}", v <= t))
+        v = res["memory"]["masked"]["extra_rss_x_params"]
+        rows.append(("masked: extra peak RSS (x parameter bytes)", f"{v:.2f}", f"<= {t}", v <= t))
+    if "tracing" in res:
+        t = res["tracing"]
+        for when in ("built", "unbuilt"):
+            counts = sorted({v for k, v in t.items() if k.endswith(when) and not k.startswith("plain")})
+            ok = counts == [t[f"plain/{when}"]]
+            rows.append((f"traces per fit, any n, optimizer {when} (plain: {t[f'plain/{when}']})",
+                         str(counts), f"[{t[f'plain/{when}']}]", ok))
+    if "growth" in res:
+        for name in ("masked", "skip"):
+            g = res["growth"][name]
+            ok = abs(g["slope_mib_per_1000_steps"]) <= 1.0
+            rows.append((f"{name}: no memory growth over {g['steps']} micro-steps",
+                         f"{g['slope_mib_per_1000_steps']:+.2f} MiB/1000 steps", "|slope| <= 1", ok))
+    p("| target | measured | goal | verdict |")
+    p("|---|---|---|---|")
+    for name, v, goal, ok in rows:
+        p(f"| {name} | {v} | {goal} | {verdict(ok)} |")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument("--only", nargs="+", choices=["time", "memory", "growth", "tracing"])
+    parser.add_argument("--json", help="also write the raw results to this file")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.child:
+        kind, variant, steps = args.child
+        fn = {"memory": memory_child, "growth": growth_child}[kind]
+        print(json.dumps(fn(variant, int(steps))))
+        return
+
+    sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+    def log(*a, **k):
+        print(*a, **k, file=sys.stderr, flush=True)
+
+    parts = args.only or ["tracing", "memory", "growth", "time"]
+    res: dict[str, Any] = {"machine": machine(), "quick": args.quick}
+    load0 = os.getloadavg()[0]
+    for part in parts:
+        res[part] = {"time": run_time, "memory": run_memory, "growth": run_growth,
+                     "tracing": run_tracing}[part](args.quick, log)
+    res["load"] = (load0, os.getloadavg()[0])
+    report(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""`mode="masked"` and `mode="skip"`: how each runs, and that both are exact.
+
+The equivalence with large-batch training for every optimizer, feature and
+execution mode is in `test_optimizers.py` and `test_semantics.py`, which run
+once per mode. Here: the `mode` argument, `MirroredStrategy` with two
+replicas, how the masked update masks (no snapshot of all state for Keras 3
+optimizers, the snapshot as fallback, nothing left behind), and tracing.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradaccum import AccumulatingOptimizer, accumulate
+from gradaccum import masking
+from gradaccum.adapters import _Keras3Optimizer
+from tests.dist_support import replica_states
+from tests.support import (
+    MODES,
+    assert_states_close,
+    assert_states_equal,
+    fit,
+    fit_pair,
+    full_state,
+    make_data,
+    make_mlp,
+    mirrored,
+)
+
+N, B, CYCLES = 3, 4, 3
+
+# Weight decay, EMA and a constraint: state changed outside `update_step`.
+def _adamw_ema():
+    return keras.optimizers.AdamW(1e-2, weight_decay=0.1, use_ema=True, ema_momentum=0.5)
+
+
+def _constrained_mlp():
+    return make_mlp(kernel_constraint=keras.constraints.MaxNorm(0.5))
+
+
+# ----------------------------------------------------------------------
+# The argument.
+
+
+def test_default_mode_is_masked():
+    opt = accumulate(keras.optimizers.SGD(), 2)
+    assert opt.mode == "masked"
+    assert "mode='masked'" in repr(opt)
+
+
+def test_mode_in_every_entry_point():
+    assert accumulate(keras.optimizers.SGD(), 2, mode="skip").mode == "skip"
+    assert accumulate(n=2, mode="skip")(keras.optimizers.SGD)().mode == "skip"
+    assert AccumulatingOptimizer(keras.optimizers.SGD(), 2, mode="skip").mode == "skip"
+
+
+@pytest.mark.parametrize("bad", ["fast", "Skip", "", None, 1, True])
+def test_unknown_mode(bad):
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        accumulate(keras.optimizers.SGD(), 2, mode=bad)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        accumulate(n=2, mode=bad)
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        AccumulatingOptimizer(keras.optimizers.SGD(), 2, mode=bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_config_round_trip_keeps_the_mode(mode):
+    lso = keras.optimizers.LossScaleOptimizer
+    for opt in (
+        accumulate(keras.optimizers.Adam(), 3, mode=mode),
+        accumulate(lso(keras.optimizers.Adam()), 3, mode=mode),
+    ):
+        assert opt.mode == mode
+        again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
+        assert type(again) is AccumulatingOptimizer
+        assert (again.n, again.mode) == (3, mode)
+    # A config written before `mode` existed loads as the default.
+    config = keras.saving.serialize_keras_object(accumulate(keras.optimizers.Adam(), 3, mode=mode))
+    del config["config"]["mode"]
+    assert AccumulatingOptimizer.from_config(config["config"]).mode == "masked"
+
+
+# ----------------------------------------------------------------------
+# MirroredStrategy, two replicas on two logical CPUs (see conftest.py).
+
+
+def _replica_copies(strategy, model, opt):
+    """Every replica's copy of every model and optimizer variable."""
+    return {
+        f"{key}@{r}": value
+        for r, state in enumerate(replica_states(strategy, model, opt))
+        for key, value in state.items()
+    }
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Records `read()` before training and after every micro-step.
+
+    One `fit` call for all micro-steps: `fit` ends by copying EMA values into
+    the model (`finalize_variable_values`), so it must run once, as in the
+    reference.
+    """
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+        self.states = []
+
+    def on_train_begin(self, logs=None):
+        self.states.append(self.read())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.states.append(self.read())
+
+
+def _assert_only_apply_steps_change_state(states, kernel="model/out/kernel"):
+    for k in range(1, len(states)):
+        if k % N:
+            assert_states_equal(states[k - 1], states[k])
+        else:
+            assert not np.array_equal(states[k - 1][kernel], states[k][kernel]), k
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mirrored_strategy_matches_large_batch(mode):
+    strategy = mirrored()
+    x, y = make_data(B * N * CYCLES)
+    with strategy.scope():
+        ref_model, ref_opt = _constrained_mlp(), _adamw_ema()
+    fit(ref_model, ref_opt, x, y, B * N)
+
+    with strategy.scope():
+        model = _constrained_mlp()
+        opt = accumulate(_adamw_ema(), N, mode=mode)
+        opt.build(model.trainable_variables)
+    recorder = _Recorder(lambda: _replica_copies(strategy, model, opt))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[recorder])
+    assert len(recorder.states) == N * CYCLES + 1
+    _assert_only_apply_steps_change_state(recorder.states, "model/out/kernel@0")
+    assert int(opt.iterations.numpy()) == CYCLES
+    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
+    copies = _replica_copies(strategy, model, opt)
+    for key, value in copies.items():
+        if key.endswith("@1"):
+            np.testing.assert_array_equal(value, copies[key[:-2] + "@0"], err_msg=key)
+    _assert_no_masks_left(
+        [c for v in model.weights + opt.variables for c in v.value.values]
+    )
+
+
+# ----------------------------------------------------------------------
+# How the masked update masks.
+
+
+def _assert_no_masks_left(tf_variables):
+    names = set(masking._WRITES)
+    for v in tf_variables:
+        assert not names & set(vars(v)), v.name
+    assert not masking._MASKS
+
+
+def _spy(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def test_keras3_optimizers_mask_each_write_and_take_no_snapshot(monkeypatch):
+    """No copy of all variables and optimizer state is made ahead of the update."""
+    snapshots = _spy(monkeypatch, masking, "_snapshot_update")
+    masked = _spy(monkeypatch, masking, "_masking_writes")
+    ref, acc, model, opt = fit_pair(_adamw_ema, n=N, make_model=_constrained_mlp)
+    assert_states_close(ref, acc)
+    assert masked and not snapshots
+    _assert_no_masks_left([v.value for v in model.weights + opt.variables])
+
+
+def test_masks_are_removed_after_the_step():
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), N)
+    fit(model, opt, *make_data(B), B)
+    assert int(opt.micro_step) == 1
+    _assert_no_masks_left([v.value for v in model.weights + opt.variables])
+    # A write after training is a plain write.
+    kernel = model.trainable_variables[0]
+    kernel.assign(tf.ones(kernel.shape))
+    np.testing.assert_array_equal(kernel.numpy(), np.ones(kernel.shape))
+
+
+def test_snapshot_fallback_for_adapters_that_do_not_mask_writes(monkeypatch):
+    monkeypatch.setattr(_Keras3Optimizer, "masks_writes", False)
+    snapshots = _spy(monkeypatch, masking, "_snapshot_update")
+    masked = _spy(monkeypatch, masking, "_masking_writes")
+    x, y = make_data(B * N * CYCLES)
+    ref, _, _, _ = fit_pair(_adamw_ema, n=N, make_model=_constrained_mlp, data=(x, y))
+
+    model = _constrained_mlp()
+    opt = accumulate(_adamw_ema(), N)
+    opt.build(model.trainable_variables)
+    recorder = _Recorder(lambda: full_state(model, opt))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[recorder])
+    _assert_only_apply_steps_change_state(recorder.states)
+    assert snapshots and not masked
+    assert_states_close(ref, full_state(model, opt))
+
+
+def test_masked_writes_keep_the_sign_of_zero_and_non_finite_values():
+    """An in-between step leaves -0.0, inf and NaN in state exactly as they were."""
+    special = np.array([-0.0, 0.0, np.inf, -np.inf, np.nan, 1.5], "float32")
+    var = tf.Variable(special)
+    delta = tf.constant([1.0, -0.0, 2.0, 1.0, 1.0, np.nan], "float32")
+    for keep in (False, True):
+        var.assign(special)
+        with masking._masking_writes([var], tf.constant(keep)):
+            var.assign_add(delta)
+            var.assign_sub(delta * 3)
+            var.scatter_add(tf.IndexedSlices(delta[:2], tf.constant([0, 1])))
+            var.assign(var * 2)
+        expected = special.copy()
+        if keep:
+            expected += delta.numpy()
+            expected -= delta.numpy() * 3
+            expected[:2] += delta.numpy()[:2]
+            expected *= 2
+        got = var.numpy()
+        if keep:
+            np.testing.assert_array_equal(got, expected)
+        else:
+            # Bit for bit: -0.0 is not 0.0, and NaN keeps its bits.
+            np.testing.assert_array_equal(got.view("uint32"), special.view("uint32"))
+    _assert_no_masks_left([var])
+
+
+# ----------------------------------------------------------------------
+# Tracing.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fit_traces_the_update_once_whatever_n(mode, monkeypatch):
+    """Built before `fit`: one trace for all epochs, the last, smaller batch too."""
+    traces = _spy(monkeypatch, AccumulatingOptimizer, "_apply")
+    for n in (2, 5):
+        traces.clear()
+        x, y = make_data(B * n * 2 + 2)  # a last batch of 2
+        model = make_mlp()
+        opt = accumulate(keras.optimizers.Adam(1e-2), n, mode=mode)
+        opt.build(model.trainable_variables)
+        fit(model, opt, x, y, B, epochs=3)
+        assert len(traces) == 1, n
+
+
+def test_fit_traces_an_unbuilt_optimizer_as_often_as_the_plain_one(monkeypatch):
+    """Variables created on the first call make `tf.function` trace twice."""
+    traces = _spy(monkeypatch, AccumulatingOptimizer, "_apply")
+
+    class CountingAdam(keras.optimizers.Adam):
+        def apply(self, *args, **kwargs):
+            plain.append(1)
+            return super().apply(*args, **kwargs)
+
+    plain = []
+    x, y = make_data(B * N * 2)
+    fit(make_mlp(), CountingAdam(1e-2), x, y, B, epochs=2)
+    fit(make_mlp(), accumulate(keras.optimizers.Adam(1e-2), N), x, y, B, epochs=2)
+    assert len(traces) == len(plain) == 2
