@@ -507,7 +507,8 @@ def report(res: dict, print_fn=print) -> None:
     if "tracing" in res:
         p("\nTraces of the update per fit (3 epochs, batches of 8 and a last one of 2):")
         for when in ("built", "unbuilt"):
-            row = {k.rsplit("/", 1)[0]: v for k, v in res["tracing"].items() if k.endswith(when)}
+            row = {k.rsplit("/", 1)[0]: v for k, v in res["tracing"].items()
+                   if k.rsplit("/", 1)[1] == when}
             p(f"  optimizer {when} before fit: {row}")
 
     p("\nTargets")
@@ -537,7 +538,8 @@ def report(res: dict, print_fn=print) -> None:
     if "tracing" in res:
         t = res["tracing"]
         for when in ("built", "unbuilt"):
-            counts = sorted({v for k, v in t.items() if k.endswith(when) and not k.startswith("plain")})
+            counts = sorted({v for k, v in t.items()
+                             if k.rsplit("/", 1)[1] == when and not k.startswith("plain")})
             ok = counts == [t[f"plain/{when}"]]
             rows.append((f"traces per fit, any n, optimizer {when} (plain: {t[f'plain/{when}']})",
                          str(counts), f"[{t[f'plain/{when}']}]", ok))

@@ -102,14 +102,20 @@ def _zero_if(keep_new: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
 
     A `tf.cond`: its branch writes only replica-local variables and
     synchronises nothing, and on an in-between step nothing is allocated.
+    The variables are zeroed one after the other.
     The zeros are filled at run time from a value TensorFlow cannot know in
     advance: zeros of a static shape are folded into a graph constant, which
     then stays in memory.
     """
 
     def zero() -> None:
+        # One after the other: each old buffer is freed before the next
+        # zeros are allocated.
+        done: list[Any] = []
         for v in variables:
-            v.assign(tf.fill(tf.shape(v), tf.cast(tf.logical_not(keep_new), v.dtype)))
+            with tf.control_dependencies(done):
+                zeros = tf.fill(tf.shape(v), tf.cast(tf.logical_not(keep_new), v.dtype))
+                done = [v.assign(zeros, read_value=False)]
 
     tf.cond(keep_new, zero, _nothing)
 
