@@ -275,3 +275,23 @@ def test_saved_model_and_export_with_accumulating_optimizer(tmp_path):
     served = tf.saved_model.load(str(tmp_path / "export"))
     np.testing.assert_allclose(served.serve(tf.constant(X[:5])).numpy(), expected, rtol=1e-6)
     assert os.path.isdir(str(tmp_path / "export"))
+
+
+def test_restored_accumulator_is_applied_when_its_gradient_is_none(tmp_path):
+    """Found by the state machine: after a restore, a variable whose gradient
+    is None on the apply step must still get its restored accumulated sum."""
+
+    def run(restore_after=None):
+        model, opt = _fresh(n=2)
+        grads = mse_grads(model, X[:B], Y[:B])
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if restore_after is not None:
+            path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "c"))
+            model, opt = _fresh(n=2)
+            tf.train.Checkpoint(model=model, optimizer=opt).restore(path)
+        grads = list(mse_grads(model, X[B : 2 * B], Y[B : 2 * B]))
+        grads[0] = None  # no gradient for the first variable on the apply step
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return full_state(model, opt)
+
+    assert_states_equal(run(), run(restore_after=1))

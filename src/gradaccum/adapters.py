@@ -69,8 +69,23 @@ class _Keras3Optimizer:
         return self.optimizer._var_key(variable)
 
     def state_variables(self) -> list[tf.Variable]:
-        """Every TF variable holding optimizer state (slots, counters, EMA)."""
-        return [_tf_variable(v) for v in self.optimizer.variables]
+        """Every TF variable holding optimizer state (slots, counters, EMA).
+
+        `optimizer.variables` lists what Keras tracked while the optimizer
+        was built. A `LossScaleOptimizer` builds its inner optimizer with
+        tracking switched off, so variables an optimizer's `build` creates
+        directly (Nadam's `_u_product`, Adafactor's placeholders) are then
+        missing from that list; they are found among its attributes.
+        """
+        variables = list(self.optimizer.variables)
+        known = {id(v) for v in variables}
+        known |= {id(v) for v in self.optimizer._trainable_variables}
+        for value in vars(self.optimizer).values():
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, keras.Variable) and id(v) not in known:
+                    known.add(id(v))
+                    variables.append(v)
+        return [_tf_variable(v) for v in variables]
 
     def model_variable(self, variable: Any) -> tf.Variable:
         return _tf_variable(variable)

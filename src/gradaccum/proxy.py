@@ -470,6 +470,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 grads, trainable_variables, **self._self_apply_options
             )
             return
+        self._refresh_seen()
         self._accumulate(grads, indices, weight)
         state = self._self_state
         count = state.micro_step.read_value() + 1
@@ -486,7 +487,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         core = self._self_core
         if core is not self:
             return core.flush()
-        if self._self_state is None or not self._self_seen:
+        if self._self_state is None:
+            return
+        self._refresh_seen()
+        if not self._self_seen:
             return
         strategy = self._self_adapter.strategy()
         in_replica = tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
@@ -500,6 +504,25 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     def _flush_here(self) -> None:
         count = self._self_state.micro_step.read_value()
         self._finish_cycle_if(count > 0, count)
+
+    def _refresh_seen(self) -> None:
+        """After a restore: variables holding gradients take part again.
+
+        Which variables take part is known from the gradients this object
+        has seen; state restored from a checkpoint or file may hold sums for
+        variables that have had no gradient here yet. Reads the accumulators
+        once (eagerly, also while tracing).
+        """
+        state = self._self_state
+        if not state._restored:
+            return
+        state._restored = False
+        with tf.init_scope():
+            for i, acc in enumerate(state.accumulators):
+                if i not in self._self_seen and bool(
+                    tf.reduce_any(tf.not_equal(tf.convert_to_tensor(acc), 0)).numpy()
+                ):
+                    self._self_seen.add(i)
 
     def _through_wrapper(
         self, weight: Any, call: Callable[..., Any], *args: Any, **kwargs: Any
@@ -558,7 +581,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             _skipped_update(keep_new, apply_accumulated, *inputs)
         else:
             tracked = adapter.state_variables()
-            tracked += [adapter.model_variable(v) for v in variables]
+            # Every variable the optimizer was built for, not only those in
+            # this update: with `ema_overwrite_frequency` Keras overwrites all
+            # of them with their moving averages, gradient or not.
+            tracked += [adapter.model_variable(v) for v in self._self_variables]
             _masked_update(
                 adapter.strategy(),
                 keep_new,

@@ -60,6 +60,9 @@ class _AccumulationState(tf.Module):
         self.weight_total = weight_total
         self._current_n = n
         self._reduction = reduction
+        # Set when values may have been restored: the proxy then re-reads
+        # which accumulators hold gradients before its next step.
+        self._restored = True
 
     @property
     def _n(self) -> int:
@@ -74,6 +77,7 @@ class _AccumulationState(tf.Module):
 
     def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
         n, reduction = restored_tensors["n"], restored_tensors["reduction"]
+        self._restored = True
         if tf.executing_eagerly():
             _check_settings(int(n), reduction.numpy().decode(), self._n, self._reduction)
             return tf.no_op()
@@ -119,6 +123,7 @@ class _AccumulationState(tf.Module):
                 )
             acc.assign(_per_replica_share(value))
         self.micro_step.assign(int(np.asarray(store[f"{_KEY}micro_step"])))
+        self._restored = True
         if f"{_KEY}weight_total" in store.keys():
             self.weight_total.assign(_per_replica_share(np.asarray(store[f"{_KEY}weight_total"])))
         else:  # written before weights existed: every micro-batch weighed 1

@@ -1,0 +1,501 @@
+"""Models, data and training runs shared by the property tests.
+
+A `Case` describes one drawn training run: the model, the optimizer and its
+hyperparameters, `n`, `reduction`, the micro-batch size, how many cycles,
+which output heads contribute to the loss on each micro-step (a head left
+out gives its variables `None` gradients), and the execution mode.
+
+`run_subject` trains `accumulate(optimizer, n)` on micro-batches of size B
+and checks, after every micro-step, that an in-between step left every model
+and optimizer variable bit-identical and that `micro_step`/`iterations`
+count as they should. `run_reference` trains the plain optimizer on the
+large batch of B*n samples of each cycle, from the same initial weights and
+in the same data order. Their final states must agree to float32 rounding.
+
+Tracing dominates the cost, so models are built once per shape and reset by
+assigning their saved initial weights; the optimizers are new per run (their
+traced update is cheap next to a model build).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from typing import Any, Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from hypothesis import settings
+
+from gradaccum import accumulate
+
+HEADS = 2
+IN_DIM = 5
+OUT_DIM = 2
+VOCAB = 50
+IDS_PER_SAMPLE = 3
+
+# Float32 rounding between two equivalent runs on these small models (batch
+# B*n once vs n micro-batches summed in float32, then the same optimizer
+# update): measured at 1e-7..1e-6 absolute after a few cycles. Relative 1e-5
+# covers values far from zero; absolute 1e-5 covers values near zero (an
+# optimizer that normalises its step, such as Adam with a tiny second moment,
+# turns a rounding difference in the gradient into one of the same relative
+# size in the step).
+RTOL = 1e-5
+ATOL = 1e-5
+
+
+def scaled(ci_examples: int) -> settings:
+    """Settings with `ci_examples` under the ci profile, scaled for others."""
+    factor = settings.default.max_examples / 10
+    return settings(max_examples=max(1, round(ci_examples * factor)))
+
+
+# ----------------------------------------------------------------------
+# Models: a trunk and HEADS output heads, so that leaving a head out of the
+# loss gives its variables `None` gradients.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "dense", "conv", "embedding" or "multi_input"
+    width: int
+    depth: int = 1
+
+    def inputs(self, rng: np.random.Generator, samples: int, unique_ids: bool,
+               ids_per_cycle: int) -> list[np.ndarray]:
+        """Input arrays for `samples` samples (a list: one per model input)."""
+        if self.kind == "dense":
+            return [rng.normal(size=(samples, IN_DIM)).astype("float32")]
+        if self.kind == "conv":
+            return [rng.normal(size=(samples, 5, 5, 1)).astype("float32")]
+        if self.kind == "multi_input":
+            return [
+                rng.normal(size=(samples, 4)).astype("float32"),
+                rng.normal(size=(samples, 3)).astype("float32"),
+            ]
+        if unique_ids:
+            # Every embedding row occurs at most once per cycle (see
+            # `Case.unique_ids`).
+            cycles = -(-samples * IDS_PER_SAMPLE // ids_per_cycle)
+            ids = np.concatenate(
+                [rng.permutation(VOCAB)[:ids_per_cycle] for _ in range(cycles)]
+            )[: samples * IDS_PER_SAMPLE]
+        else:
+            ids = rng.integers(0, 8, size=samples * IDS_PER_SAMPLE)
+        return [ids.reshape(samples, IDS_PER_SAMPLE).astype("int32")]
+
+
+def _build(spec: ModelSpec) -> keras.Model:
+    keras.utils.set_random_seed(1234)
+    if spec.kind == "dense":
+        inputs = [keras.Input((IN_DIM,), name="x")]
+        h = inputs[0]
+        for i in range(spec.depth):
+            h = keras.layers.Dense(spec.width, activation="tanh", name=f"trunk{i}")(h)
+    elif spec.kind == "conv":
+        inputs = [keras.Input((5, 5, 1), name="x")]
+        h = keras.layers.Conv2D(spec.width, 3, activation="tanh", name="conv")(inputs[0])
+        for i in range(1, spec.depth):
+            h = keras.layers.Conv2D(spec.width, 2, activation="tanh", name=f"conv{i}")(h)
+        h = keras.layers.Flatten()(h)
+    elif spec.kind == "embedding":
+        inputs = [keras.Input((IDS_PER_SAMPLE,), dtype="int32", name="ids")]
+        h = keras.layers.Embedding(VOCAB, spec.width, name="emb")(inputs[0])
+        h = keras.layers.Flatten()(h)
+        for i in range(1, spec.depth):
+            h = keras.layers.Dense(spec.width, activation="tanh", name=f"trunk{i}")(h)
+    elif spec.kind == "multi_input":
+        inputs = [keras.Input((4,), name="a"), keras.Input((3,), name="b")]
+        a = keras.layers.Dense(spec.width, activation="tanh", name="branch_a")(inputs[0])
+        b = keras.layers.Dense(spec.width, activation="tanh", name="branch_b")(inputs[1])
+        h = keras.layers.Concatenate()([a, b])
+        for i in range(1, spec.depth):
+            h = keras.layers.Dense(spec.width, activation="tanh", name=f"trunk{i}")(h)
+    else:
+        raise ValueError(f"Unknown model kind {spec.kind!r}.")
+    outputs = [keras.layers.Dense(OUT_DIM, name=f"head{k}")(h) for k in range(HEADS)]
+    return keras.Model(inputs, outputs, name=spec.kind)
+
+
+_MODELS: dict[tuple[ModelSpec, int], tuple[keras.Model, list[np.ndarray]]] = {}
+
+
+def model_for(spec: ModelSpec, copy: int = 0) -> keras.Model:
+    """Model `copy` of this shape (0 or 1), reset to its initial weights."""
+    key = (spec, copy)
+    if key not in _MODELS:
+        model = _build(spec)
+        _MODELS[key] = (model, [v.numpy() for v in model.weights])
+    model, initial = _MODELS[key]
+    for v, value in zip(model.weights, initial):
+        v.assign(value)
+    return model
+
+
+# ----------------------------------------------------------------------
+# Optimizers.
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimizer class name, its keyword arguments and an LR schedule."""
+
+    family: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    schedule: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+
+    def make(self) -> keras.optimizers.Optimizer:
+        kwargs = dict(self.kwargs)
+        if self.schedule is not None:
+            name, schedule_kwargs = self.schedule
+            schedule_cls = getattr(keras.optimizers.schedules, name)
+            kwargs["learning_rate"] = schedule_cls(**dict(schedule_kwargs))
+        return getattr(keras.optimizers, self.family)(**kwargs)
+
+    def linear_in_gradient(self) -> bool:
+        """Whether the update is linear in the gradient (rows may repeat)."""
+        kwargs = dict(self.kwargs)
+        clipped = any(
+            kwargs.get(k) is not None for k in ("clipnorm", "clipvalue", "global_clipnorm")
+        )
+        return self.family == "SGD" and not clipped
+
+
+# ----------------------------------------------------------------------
+# A drawn run.
+
+MODES = ("eager", "tf_function", "jit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: ModelSpec
+    optimizer: OptimizerSpec
+    n: int
+    reduction: str
+    micro_batch: int
+    cycles: int
+    # Micro-steps after the last full cycle (an unfinished cycle: nothing of
+    # it may show in the state).
+    extra: int
+    # Per micro-step: the heads whose loss terms are included.
+    heads: tuple[tuple[int, ...], ...]
+    mode: str
+    data_seed: int
+    build_first: bool = True
+    # None, or how a float32 LossScaleOptimizer is combined with the
+    # accumulation: "accumulate_lso" = accumulate(LSO(opt), n),
+    # "lso_accumulate" = LSO(accumulate(opt, n)). The reference is then
+    # LSO(opt) on the large batch. Scales are powers of two, so in float32
+    # unscaling is exact and the runs must agree as closely as without.
+    loss_scale: str | None = None
+
+    @property
+    def micro_steps(self) -> int:
+        return self.n * self.cycles + self.extra
+
+    @property
+    def unique_ids(self) -> bool:
+        """Embedding rows unique within each cycle, unless the update is linear.
+
+        Keras 3 squares the values of an `IndexedSlices` gradient before
+        summing repeated rows, so for Adam-like optimizers (and clipping) a
+        large-batch step depends on how often a row repeats in the batch,
+        while the accumulated gradient holds the rows already summed. With
+        rows unique within a cycle both see the same numbers. With n=1 there
+        is nothing to accumulate, and rows repeat freely.
+        """
+        return self.n > 1 and not self.optimizer.linear_in_gradient()
+
+    def data(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        rng = np.random.default_rng(self.data_seed)
+        samples = self.micro_steps * self.micro_batch
+        ids_per_cycle = self.n * self.micro_batch * IDS_PER_SAMPLE
+        xs = self.model.inputs(rng, samples, self.unique_ids, ids_per_cycle)
+        ys = [rng.normal(size=(samples, OUT_DIM)).astype("float32") for _ in range(HEADS)]
+        return xs, ys
+
+
+def _rows(arrays: Sequence[np.ndarray], start: int, stop: int) -> list[tf.Tensor]:
+    return [tf.constant(a[start:stop]) for a in arrays]
+
+
+def _per_sample_mse(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    return tf.reduce_mean(tf.square(out - y), axis=-1)
+
+
+def _compile(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
+    if mode == "eager":
+        return fn
+    return tf.function(fn, jit_compile=(mode == "jit"))
+
+
+def micro_step_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]:
+    """`step(xs, ys, heads)`: one micro-batch, mean loss over `heads`."""
+
+    def step(xs, ys, heads):
+        with tf.GradientTape() as tape:
+            outs = model(xs, training=True)
+            loss = tf.add_n([tf.reduce_mean(_per_sample_mse(outs[h], ys[h])) for h in heads])
+            loss = opt.scale_loss(loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return _compile(step, mode)
+
+
+def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]:
+    """`step(xs, ys, weights, heads, scale)`: one large batch.
+
+    The loss is `scale * sum_h mean_s(weights[h][s] * mse_h(s))` over the
+    heads in `heads`; a weight is 1 where the micro-batch holding sample `s`
+    included head `h`, else 0. With `scale=1` that is the mean of the
+    micro-batch losses, i.e. the large-batch mean loss.
+    """
+
+    def step(xs, ys, weights, heads, scale):
+        with tf.GradientTape() as tape:
+            outs = model(xs, training=True)
+            loss = tf.add_n(
+                [tf.reduce_mean(weights[h] * _per_sample_mse(outs[h], ys[h])) for h in heads]
+            )
+            loss = opt.scale_loss(loss * scale)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return _compile(step, mode)
+
+
+# ----------------------------------------------------------------------
+# State.
+
+
+def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
+    """Every optimizer variable by name, in creation order.
+
+    Keyed by the last path component: the path's leading parts are the names
+    of the optimizers holding the variable (unique per instance, and nested
+    under a LossScaleOptimizer), which differ between equivalent runs.
+    """
+    out = {}
+    for v in _optimizer_variables(optimizer):
+        path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
+        key, k = f"opt/{path}", 1
+        while key in out:
+            key, k = f"opt/{path}#{k}", k + 1
+        out[key] = np.asarray(v.numpy())
+    return out
+
+
+def _optimizer_variables(optimizer: Any) -> list[Any]:
+    """`optimizer.variables`, and variables its (inner) optimizers hold.
+
+    A LossScaleOptimizer builds its inner optimizer with Keras's variable
+    tracking off, so variables an optimizer's `build` creates directly
+    (Nadam's `_u_product`, Adafactor's placeholders) are missing from
+    `variables` there; they are optimizer state all the same.
+    """
+    found = list(optimizer.variables)
+    known = {id(v) for v in found}
+    pending = [optimizer]
+    while pending:
+        opt = pending.pop(0)
+        opt = getattr(opt, "__wrapped__", opt)  # an AccumulatingOptimizer
+        known |= {id(v) for v in getattr(opt, "_trainable_variables", [])}
+        for value in vars(opt).values():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, keras.optimizers.Optimizer):
+                    pending.append(item)
+                elif isinstance(item, keras.Variable) and id(item) not in known:
+                    known.add(id(item))
+                    found.append(item)
+    return found
+
+
+def full_state(model: keras.Model, optimizer: Any) -> dict[str, np.ndarray]:
+    """Model weights and optimizer variables by path, and `iterations`."""
+    out = {f"model/{v.path}": np.asarray(v.numpy()) for v in model.weights}
+    out.update(optimizer_state(optimizer))
+    out["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
+    return out
+
+
+def model_state(model: keras.Model) -> dict[str, np.ndarray]:
+    return {f"model/{v.path}": np.asarray(v.numpy()) for v in model.weights}
+
+
+def assert_states_close(reference: dict, subject: dict, rtol: float = RTOL,
+                        atol: float = ATOL) -> None:
+    assert sorted(reference) == sorted(subject), sorted(set(reference) ^ set(subject))
+    assert int(subject["iterations"]) == int(reference["iterations"])
+    for key in reference:
+        np.testing.assert_allclose(subject[key], reference[key], rtol=rtol, atol=atol,
+                                   err_msg=key)
+
+
+def assert_finite(state: dict) -> None:
+    """A drawn run must stay finite, or a comparison would prove nothing."""
+    bad = [k for k, v in state.items() if not np.all(np.isfinite(v))]
+    assert not bad, f"non-finite reference state (invalid draw?): {bad}"
+
+
+def assert_states_equal(before: dict, after: dict, what: str = "") -> None:
+    """Every array equal (`np.array_equal`) and of the same dtype and shape."""
+    assert sorted(before) == sorted(after), sorted(set(before) ^ set(after))
+    changed = [
+        k
+        for k in before
+        if before[k].dtype != after[k].dtype or not np.array_equal(before[k], after[k])
+    ]
+    assert not changed, f"{what}: changed {changed}"
+
+
+# ----------------------------------------------------------------------
+# Runs.
+
+LSO = keras.optimizers.LossScaleOptimizer
+# Counts finite loss-scaled backward passes: micro-batches for the
+# accumulating runs, batches for the reference (documented), so it is
+# compared on its own.
+STEP_COUNTER = "opt/step_counter"
+
+
+def make_plain(case: Case) -> Any:
+    """The reference optimizer: the drawn one, loss-scaled if the case is."""
+    opt = case.optimizer.make()
+    return LSO(opt) if case.loss_scale else opt
+
+
+def make_subject(case: Case) -> Any:
+    """The accumulating optimizer for the case (see `Case.loss_scale`)."""
+    inner = case.optimizer.make()
+    if case.loss_scale == "accumulate_lso":
+        return accumulate(LSO(inner), case.n, reduction=case.reduction)
+    if case.loss_scale == "lso_accumulate":
+        return LSO(accumulate(inner, case.n, reduction=case.reduction))
+    return accumulate(inner, case.n, reduction=case.reduction)
+
+
+def accumulating(opt: Any) -> Any:
+    """The AccumulatingOptimizer in `opt` (it, or a LossScaleOptimizer's inner)."""
+    return opt.inner_optimizer if type(opt) is LSO else opt
+
+
+def _checkpoint(model: keras.Model, opt: Any, directory: str) -> str:
+    return tf.train.Checkpoint(model=model, optimizer=opt).write(
+        os.path.join(directory, "ckpt")
+    )
+
+
+def run_subject(case: Case, resume_at: int | None = None):
+    """Trains the accumulating optimizer on micro-batches; checks each step.
+
+    After every micro-step: `micro_step` and `iterations` count micro-batches
+    and applied updates, and an in-between micro-step left every model weight
+    and optimizer variable bit-identical (`np.array_equal`); the loss-scale
+    step counter, which counts micro-batches, only advanced by one.
+
+    Args:
+        case: The drawn run.
+        resume_at: If given, after this many micro-steps the model and
+            optimizer are written to a `tf.train.Checkpoint`, restored into
+            a second model and a freshly made optimizer, and training goes on
+            with those (and a newly traced step).
+
+    Returns:
+        `(state, model, optimizer)` after `case.micro_steps` micro-steps.
+    """
+    xs, ys = case.data()
+    model = model_for(case.model)
+    opt = make_subject(case)
+    if case.build_first:
+        opt.build(model.trainable_variables)
+    step = micro_step_fn(model, opt, case.mode)
+    b = case.micro_batch
+    applied = 0
+    with tempfile.TemporaryDirectory() as directory:
+        for i in range(case.micro_steps):
+            if i == resume_at:
+                path = _checkpoint(model, opt, directory)
+                model = model_for(case.model, copy=1)
+                opt = make_subject(case)
+                if case.build_first:
+                    opt.build(model.trainable_variables)
+                status = tf.train.Checkpoint(model=model, optimizer=opt).read(path)
+                if not case.build_first:
+                    opt.build(model.trainable_variables)  # deferred values land here
+                status.assert_consumed()
+                step = micro_step_fn(model, opt, case.mode)
+            applies = (i + 1) % case.n == 0
+            before = full_state(model, opt) if opt.built else model_state(model)
+            step(_rows(xs, i * b, (i + 1) * b), _rows(ys, i * b, (i + 1) * b), case.heads[i])
+            applied += applies
+            assert int(accumulating(opt).micro_step) == (i + 1) % case.n, f"micro-step {i}"
+            assert int(opt.iterations) == applied, f"micro-step {i}"
+            if case.loss_scale:
+                assert int(opt.step_counter.numpy()) == i + 1, f"micro-step {i}"
+            if not applies:
+                after = full_state(model, opt) if "iterations" in before else model_state(model)
+                before.pop(STEP_COUNTER, None), after.pop(STEP_COUNTER, None)
+                assert_states_equal(before, after, f"in-between micro-step {i}")
+    return full_state(model, opt), model, opt
+
+
+def run_reference(case: Case, scale: float | None = None):
+    """Trains the plain optimizer on the large batch (B*n) of each cycle.
+
+    A head enters the large-batch loss from the cycle in which any
+    micro-step first included it (with zero weight on the samples of
+    micro-steps that left it out): the accumulating optimizer's documented
+    rule that a variable takes part in every update from the first
+    micro-step on which it received a gradient.
+
+    Args:
+        case: The drawn run.
+        scale: Factor on the loss; default 1 for `reduction="mean"` and `n`
+            for `"sum"` (the sum of the n micro-batch mean losses).
+
+    Returns:
+        `(state, model, optimizer)` after `case.cycles` updates.
+    """
+    if scale is None:
+        scale = float(case.n) if case.reduction == "sum" else 1.0
+    xs, ys = case.data()
+    model = model_for(case.model)
+    opt = make_plain(case)
+    if case.build_first:
+        opt.build(model.trainable_variables)
+    step = large_batch_fn(model, opt, case.mode)
+    n, b = case.n, case.micro_batch
+    seen: set[int] = set()
+    for c in range(case.cycles):
+        cycle_heads = case.heads[c * n : (c + 1) * n]
+        for heads in cycle_heads:
+            seen.update(heads)
+        weights = [
+            tf.constant(np.repeat([float(h in heads) for heads in cycle_heads], b), tf.float32)
+            for h in range(HEADS)
+        ]
+        lo, hi = c * n * b, (c + 1) * n * b
+        step(_rows(xs, lo, hi), _rows(ys, lo, hi), weights, tuple(sorted(seen)),
+             tf.constant(scale, tf.float32))
+    return full_state(model, opt), model, opt
+
+
+def run_plain_micro(case: Case):
+    """The plain optimizer on the micro-batches themselves (what n=1 must be)."""
+    xs, ys = case.data()
+    model = model_for(case.model)
+    opt = make_plain(case)
+    if case.build_first:
+        opt.build(model.trainable_variables)
+    step = micro_step_fn(model, opt, case.mode)
+    b = case.micro_batch
+    for i in range(case.micro_steps):
+        step(_rows(xs, i * b, (i + 1) * b), _rows(ys, i * b, (i + 1) * b), case.heads[i])
+    return full_state(model, opt), model, opt
