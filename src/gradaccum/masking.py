@@ -97,15 +97,21 @@ def _read_after_writes(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
         return [tf.identity(r) for r in reads]
 
 
-def _zero_if(keep_new: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
+def _zero_if(
+    keep_new: tf.Tensor,
+    variables: Sequence[tf.Variable],
+    after: Sequence[tf.Variable] = (),
+) -> None:
     """Sets replica-local `variables` to zero if `keep_new`.
 
     A `tf.cond`: its branch writes only replica-local variables and
     synchronises nothing, and on an in-between step nothing is allocated.
-    The variables are zeroed one after the other.
-    The zeros are filled at run time from a value TensorFlow cannot know in
-    advance: zeros of a static shape are folded into a graph constant, which
-    then stays in memory.
+    It waits for the writes made so far to the variables in `after` (the
+    update's), so the zeros are not allocated while the update's temporaries
+    are alive, and zeroes the variables one after the other. The zeros are
+    filled at run time from a value TensorFlow cannot know in advance: zeros
+    of a static shape are folded into a graph constant, which then stays in
+    memory.
     """
 
     def zero() -> None:
@@ -117,7 +123,8 @@ def _zero_if(keep_new: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
                 zeros = tf.fill(tf.shape(v), tf.cast(tf.logical_not(keep_new), v.dtype))
                 done = [v.assign(zeros, read_value=False)]
 
-    tf.cond(keep_new, zero, _nothing)
+    with tf.control_dependencies([v.read_value() for v in after]):
+        tf.cond(keep_new, zero, _nothing)
 
 
 # ----------------------------------------------------------------------

@@ -592,7 +592,11 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 lambda: apply_accumulated(*inputs),
                 masks_writes=getattr(adapter, "masks_writes", False),
             )
-        _zero_if(keep_new, [state.accumulators[i] for i in included] + [state.weight_total])
+        _zero_if(
+            keep_new,
+            [state.accumulators[i] for i in included] + [state.weight_total],
+            after=[adapter.model_variable(v) for v in variables],
+        )
         state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
 
     def _check_left_out(self, keep_new: tf.Tensor, included: list[int]) -> None:
