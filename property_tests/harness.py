@@ -40,13 +40,15 @@ IDS_PER_SAMPLE = 3
 
 # Float32 rounding between two equivalent runs on these small models (batch
 # B*n once vs n micro-batches summed in float32, then the same optimizer
-# update): measured at 1e-7..1e-6 absolute after a few cycles. Relative 1e-5
-# covers values far from zero; absolute 1e-5 covers values near zero (an
-# optimizer that normalises its step, such as Adam with a tiny second moment,
-# turns a rounding difference in the gradient into one of the same relative
-# size in the step).
+# update), as in tests/support.py: typically 1e-8..3e-7 absolute after a few
+# cycles; relative 1e-5 covers values far from zero.
 RTOL = 1e-5
-ATOL = 1e-5
+ATOL = 1e-6
+# Where two equivalent plain runs already differ by more than that (an
+# ill-conditioned gradient component, see `rounding_floor`), the accumulated
+# run may differ from the reference by this many times as much (measured
+# ratios: 1.0 eagerly, 1.5 under XLA).
+FLOOR_FACTOR = 4.0
 
 
 def scaled(ci_examples: int) -> settings:
@@ -249,7 +251,7 @@ def micro_step_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]
     return _compile(step, mode)
 
 
-def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]:
+def large_batch_fn(model: keras.Model, opt: Any, mode: str, chunks: int = 1) -> Callable[..., Any]:
     """`step(xs, ys, weights, heads, scale)`: one large batch.
 
     The loss is `scale * sum_h mean_s(weights[h][s] * mse_h(s))` over the
@@ -260,10 +262,15 @@ def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any
 
     def step(xs, ys, weights, heads, scale):
         with tf.GradientTape() as tape:
-            outs = model(xs, training=True)
-            loss = tf.add_n(
-                [tf.reduce_mean(weights[h] * _per_sample_mse(outs[h], ys[h])) for h in heads]
-            )
+            losses = []
+            for c in range(chunks):
+                part = [tf.split(t, chunks)[c] for t in xs], [tf.split(t, chunks)[c] for t in ys]
+                w = [tf.split(t, chunks)[c] for t in weights]
+                outs = model(part[0], training=True)
+                losses.append(tf.add_n(
+                    [tf.reduce_mean(w[h] * _per_sample_mse(outs[h], part[1][h])) for h in heads]
+                ))
+            loss = tf.add_n(losses) / float(chunks) if chunks > 1 else losses[0]
             loss = opt.scale_loss(loss * scale)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
@@ -329,13 +336,55 @@ def model_state(model: keras.Model) -> dict[str, np.ndarray]:
     return {f"model/{v.path}": np.asarray(v.numpy()) for v in model.weights}
 
 
+def rounding_floor(reference: dict, chunked: dict) -> dict[str, float]:
+    """Per state entry: how far two equivalent plain large-batch runs differ.
+
+    `chunked` is the same plain large-batch training with each batch's mean
+    loss computed as the mean of its n micro-batch means
+    (`run_reference(..., chunked=True)`): mathematically the same run, with
+    the gradient summed over micro-batches as accumulation sums it, and no
+    gradaccum involved. Mostly the two agree to ~1e-7. But a gradient
+    component that is a sum of terms cancelling to almost nothing carries a
+    rounding error far above float32's relative precision, and an optimizer
+    that normalises its step (Adam's m/sqrt(v) near epsilon, sign-like
+    updates) turns that into a visible difference in the weights (measured:
+    1.9e-4 on one weight of a drawn Conv2D/AdamW run under XLA, where the
+    chunked plain run differs by 1.3e-4 and the accumulated one by 1.9e-4).
+    """
+    return {
+        k: float(np.max(np.abs(np.asarray(reference[k], np.float64) - chunked[k]), initial=0.0))
+        for k in reference
+    }
+
+
 def assert_states_close(reference: dict, subject: dict, rtol: float = RTOL,
-                        atol: float = ATOL) -> None:
+                        atol: float = ATOL, floor: dict[str, float] | None = None) -> None:
+    """Every entry within float32 rounding of the reference.
+
+    Within `rtol`/`atol`, or, for an entry whose two equivalent plain runs
+    differ by more (see `rounding_floor`), within `FLOOR_FACTOR` times that.
+    """
     assert sorted(reference) == sorted(subject), sorted(set(reference) ^ set(subject))
     assert int(subject["iterations"]) == int(reference["iterations"])
     for key in reference:
-        np.testing.assert_allclose(subject[key], reference[key], rtol=rtol, atol=atol,
+        extra = FLOOR_FACTOR * floor[key] if floor else 0.0
+        np.testing.assert_allclose(subject[key], reference[key], rtol=rtol, atol=atol + extra,
                                    err_msg=key)
+
+
+def assert_matches_large_batch(case: "Case", reference: dict, subject: dict) -> None:
+    """`subject` equals the large-batch `reference` to float32 rounding.
+
+    Within `RTOL`/`ATOL`; only if that fails is the chunked plain run made,
+    and entries may then differ by up to `FLOOR_FACTOR` times its distance
+    from the reference (see `rounding_floor`).
+    """
+    try:
+        assert_states_close(reference, subject)
+    except AssertionError:
+        chunked, _, _ = run_reference(case, chunked=True)
+        chunked = {k: v for k, v in chunked.items() if k in reference}
+        assert_states_close(reference, subject, floor=rounding_floor(reference, chunked))
 
 
 def assert_finite(state: dict) -> None:
@@ -446,7 +495,7 @@ def run_subject(case: Case, resume_at: int | None = None):
     return full_state(model, opt), model, opt
 
 
-def run_reference(case: Case, scale: float | None = None):
+def run_reference(case: Case, scale: float | None = None, chunked: bool = False):
     """Trains the plain optimizer on the large batch (B*n) of each cycle.
 
     A head enters the large-batch loss from the cycle in which any
@@ -459,6 +508,10 @@ def run_reference(case: Case, scale: float | None = None):
         case: The drawn run.
         scale: Factor on the loss; default 1 for `reduction="mean"` and `n`
             for `"sum"` (the sum of the n micro-batch mean losses).
+        chunked: Compute each large batch's mean loss as the mean of its n
+            micro-batch means (n forward passes in one tape): the same
+            training, rounded the way summed micro-batch gradients are (see
+            `rounding_floor`).
 
     Returns:
         `(state, model, optimizer)` after `case.cycles` updates.
@@ -470,7 +523,7 @@ def run_reference(case: Case, scale: float | None = None):
     opt = make_plain(case)
     if case.build_first:
         opt.build(model.trainable_variables)
-    step = large_batch_fn(model, opt, case.mode)
+    step = large_batch_fn(model, opt, case.mode, chunks=case.n if chunked else 1)
     n, b = case.n, case.micro_batch
     seen: set[int] = set()
     for c in range(case.cycles):

@@ -22,7 +22,7 @@ from property_tests.harness import (
     ModelSpec,
     OptimizerSpec,
     assert_finite,
-    assert_states_close,
+    assert_matches_large_batch,
     accumulating,
     assert_states_equal,
     run_plain_micro,
@@ -83,6 +83,34 @@ def _accumulators_empty(opt) -> bool:
         loss_scale="accumulate_lso",
     )
 )
+# Found by this property: not a bug but float32 ill-conditioning. One
+# `head1` kernel gradient component is a sum cancelling to ~1e-6; after
+# global clipping it sits near Adam's epsilon, where the step amplifies its
+# rounding error: 1.9e-4 off the large batch under XLA, as far as an
+# equivalent plain run with the loss summed over micro-batches (see
+# `harness.rounding_floor`).
+@example(
+    case=Case(
+        model=ModelSpec(kind="conv", width=6, depth=1),
+        optimizer=OptimizerSpec(
+            "AdamW",
+            (("beta_1", 0.0), ("beta_2", 0.9), ("epsilon", 1e-08),
+             ("global_clipnorm", 1.0), ("weight_decay", 0.0292)),
+            ("CosineDecayRestarts",
+             (("first_decay_steps", 2), ("initial_learning_rate", 0.0158),
+              ("m_mul", 0.8691), ("t_mul", 1.0))),
+        ),
+        n=4,
+        reduction="sum",
+        micro_batch=1,
+        cycles=3,
+        extra=3,
+        heads=((0, 1),) * 15,
+        mode="jit",
+        data_seed=14159,
+        build_first=False,
+    )
+)
 def test_accumulated_equals_large_batch(case):
     """Weights, every optimizer variable and `iterations` match large batch.
 
@@ -97,11 +125,15 @@ def test_accumulated_equals_large_batch(case):
     assert int(subject["iterations"]) == case.cycles
     if case.extra == 0:
         assert _accumulators_empty(accumulating(opt))
+    _assert_matches(case, reference, subject)
+
+
+def _assert_matches(case, reference, subject):
     if case.loss_scale:
         # Finite loss-scaled backward passes: batches vs micro-batches.
         assert int(reference.pop(STEP_COUNTER)) == case.cycles
         assert int(subject.pop(STEP_COUNTER)) == case.micro_steps
-    assert_states_close(reference, subject)
+    assert_matches_large_batch(case, reference, subject)
 
 
 @scaled(10)
@@ -173,7 +205,7 @@ def test_traced_loop_whose_none_pattern_changes_is_exact_or_refused(case):
         assert "traced before variables" in error.message
         assert _has_stale_trace(case), "refused a run a stale trace cannot spoil"
         return
-    assert_states_close(reference, subject)
+    _assert_matches(case, reference, subject)
 
 
 def _has_stale_trace(case) -> bool:
