@@ -1,7 +1,8 @@
 """A state machine against a plain-Python model of the accumulation.
 
-Hypothesis interleaves micro-steps (dense, sparse and `None` gradients),
-non-finite micro-batches under a `LossScaleOptimizer`, checkpoint writes,
+Hypothesis interleaves micro-steps (dense, sparse and `None` gradients,
+weighted or not), non-finite micro-batches under a `LossScaleOptimizer`,
+setting `n` (between cycles or mid-cycle), `flush()`, checkpoint writes,
 restores into freshly built variables and optimizers, and reads of
 `micro_step` and `iterations` (eagerly and inside a `tf.function`).
 
@@ -13,8 +14,7 @@ same float32 operations in the same order, so after every rule the
 accumulating optimizer's variables, optimizer state and accumulators must
 equal the model's bit for bit (`np.array_equal`).
 
-Not modelled yet: changing `n` at a cycle boundary (not supported; see the
-accumulation-schedules issue).
+Not modelled: `n` given as a schedule (a callable); setting `n` is.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class _Model:
     def __init__(self, n: int, reduction: str, scale: float | None, growth: int):
         self.n, self.reduction = n, reduction
         self.sums = [np.zeros(shape, np.float32) for _, shape in VARIABLES]
+        self.total = np.float32(0.0)  # sum of the cycle's micro-batch weights
         self.count = 0  # micro-batches in the current cycle
         self.applied = 0
         self.seen: set[int] = set()
@@ -71,10 +72,44 @@ class _Model:
     def copy(self) -> "_Model":
         other = _Model(self.n, self.reduction, self.scale, self.growth)
         other.sums = [s.copy() for s in self.sums]
-        other.count, other.applied = self.count, self.applied
+        other.total, other.count, other.applied = self.total, self.count, self.applied
         other.seen = set(self.seen)
         other.good_steps = self.good_steps
         return other
+
+    def passes_through(self, weight: float | None) -> bool:
+        """n=1, unweighted, nothing accumulated ever: the plain optimizer."""
+        return self.n == 1 and weight is None and not self.seen
+
+    def add(self, grads, weight: float | None) -> None:
+        w = None if weight is None else np.float32(weight)
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            kind, values, rows = g
+            values = values if w is None else values * w
+            if kind == "sparse":
+                np.add.at(self.sums[i], rows, values)
+            else:
+                self.sums[i] += values
+            self.seen.add(i)
+        self.total = np.float32(self.total + (np.float32(1.0) if w is None else w))
+        self.count += 1
+
+    def update(self) -> tuple[list[int], list[np.ndarray]]:
+        """The gradients the cycle applies: sum, or sum / total weight."""
+        included = sorted(self.seen)
+        if self.reduction == "sum":
+            grads = [self.sums[i] for i in included]
+        else:
+            divisor = self.total if self.total > 0 else np.float32(1.0)
+            grads = [self.sums[i] / divisor for i in included]
+        return included, grads
+
+    def clear(self) -> None:
+        self.sums = [np.zeros_like(s) for s in self.sums]
+        self.total, self.count = np.float32(0.0), 0
+        self.applied += 1
 
     def finite_loss_scale_step(self) -> None:
         if self.scale is None:
@@ -158,9 +193,16 @@ class AccumulationMachine(RuleBasedStateMachine):
                        min_size=len(VARIABLES), max_size=len(VARIABLES)),
         magnitude=st.sampled_from([1e-3, 1.0, 10.0]),
         seed=st.integers(0, 2**16),
+        weight=st.sampled_from([None, None, 0.0, 0.5, 1.0, 3.0, 7.25]),
     )
-    def micro_step(self, data, kinds, magnitude, seed):
-        """One micro-batch: per variable a dense, sparse or `None` gradient."""
+    def micro_step(self, data, kinds, magnitude, seed, weight=None):
+        """One micro-batch: per variable a dense, sparse or `None` gradient.
+
+        Optionally weighted (`apply_gradients(..., weight=w)`); a
+        LossScaleOptimizer around the accumulating one takes no `weight`.
+        """
+        if self.wrap == "lso_accumulate":
+            weight = None
         if all(k == "none" for k in kinds):
             kinds = ["dense"] + list(kinds[1:])
         rng = np.random.default_rng(seed)
@@ -178,7 +220,7 @@ class AccumulationMachine(RuleBasedStateMachine):
                 grads.append(("sparse", values, np.asarray(rows, np.int64)))
             else:
                 grads.append(("dense", (rng.normal(size=shape) * magnitude).astype("float32"), None))
-        self._apply(grads, poison=False)
+        self._apply(grads, poison=False, weight=weight)
 
     @precondition(lambda self: self.wrap != "none")
     @rule(which=st.integers(0, len(VARIABLES) - 1), value=st.sampled_from([np.inf, -np.inf, np.nan]))
@@ -192,55 +234,64 @@ class AccumulationMachine(RuleBasedStateMachine):
             grads.append(("dense", g, None))
         self._apply(grads, poison=True)
 
-    def _apply(self, grads, poison: bool) -> None:
+    def _apply(self, grads, poison: bool, weight: float | None = None) -> None:
         model = self.model
-        scale = model.scale if model.scale is not None else None
         to_tf = []
         for (name, shape), g in zip(VARIABLES, grads):
             if g is None:
                 to_tf.append(None)
                 continue
             kind, values, rows = g
-            if scale is not None:
-                values = values * np.float32(scale)
+            if model.scale is not None:
+                values = values * np.float32(model.scale)
             if kind == "sparse":
                 to_tf.append(tf.IndexedSlices(tf.constant(values), tf.constant(rows),
                                               tf.constant(shape, tf.int64)))
             else:
                 to_tf.append(tf.constant(values))
-        self.opt.apply_gradients(zip(to_tf, self.vars))
+        if weight is None:
+            self.opt.apply_gradients(zip(to_tf, self.vars))
+        else:
+            self.opt.apply_gradients(zip(to_tf, self.vars), weight=weight)
 
         if poison:
             model.non_finite_loss_scale_step()
             return
         model.finite_loss_scale_step()
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if model.n == 1:
-            # n=1 is the plain optimizer: the gradients as they are.
+        if model.passes_through(weight):
+            present = [i for i, g in enumerate(grads) if g is not None]
             self.shadow.apply(
                 [self._shadow_grad(grads[i], i) for i in present],
                 [self.shadow_vars[i] for i in present],
             )
             model.applied += 1
             return
-        for i in present:
-            kind, values, rows = grads[i]
-            if kind == "sparse":
-                np.add.at(model.sums[i], rows, values)
-            else:
-                model.sums[i] += values
-            model.seen.add(i)
-        model.count += 1
-        if model.count == model.n:
-            included = sorted(model.seen)
-            denominator = np.float32(model.n if model.reduction == "mean" else 1)
-            self.shadow.apply(
-                [tf.constant(model.sums[i] / denominator) for i in included],
-                [self.shadow_vars[i] for i in included],
-            )
-            model.sums = [np.zeros_like(s) for s in model.sums]
-            model.count = 0
-            model.applied += 1
+        model.add(grads, weight)
+        # A cycle ends at the first micro-step holding at least n batches
+        # (more than n only if `n` was lowered mid-cycle).
+        if model.count >= model.n:
+            self._apply_cycle()
+
+    def _apply_cycle(self) -> None:
+        included, grads = self.model.update()
+        self.shadow.apply(
+            [tf.constant(g) for g in grads], [self.shadow_vars[i] for i in included]
+        )
+        self.model.clear()
+
+    @rule()
+    def flush(self):
+        """`flush()` applies a partial cycle now (nothing if it is empty)."""
+        self.acc_opt.flush()
+        if self.model.count > 0:
+            self._apply_cycle()
+
+    @rule(n=st.integers(1, 4))
+    def set_n(self, n):
+        """`opt.n = k`, at a boundary or mid-cycle (see `n`'s docstring)."""
+        self.acc_opt.n = n
+        self.model.n = self.n = n
+        self.read_fn = None
 
     @staticmethod
     def _shadow_grad(g, i):
@@ -265,6 +316,7 @@ class AccumulationMachine(RuleBasedStateMachine):
     def restore_into_fresh_objects(self, checkpoint):
         """Restores a checkpoint into new variables and a new optimizer."""
         path, model, (shadow_vars, shadow_opt) = checkpoint
+        self.n = model.n  # a checkpoint only restores into the same `n`
         self.vars = self._variables([np.zeros(s, np.float32) for _, s in VARIABLES])
         self.opt, self.inner = self._subject()
         status = tf.train.Checkpoint(vars=self.vars, optimizer=self.opt).read(path)
@@ -317,7 +369,7 @@ class AccumulationMachine(RuleBasedStateMachine):
             assert int(lso.step_counter.numpy()) == model.good_steps
 
 
-AccumulationMachine.TestCase.settings = settings(scaled(15), stateful_step_count=25)
+AccumulationMachine.TestCase.settings = settings(scaled(30), stateful_step_count=40)
 TestAccumulationMachine = AccumulationMachine.TestCase
 
 
