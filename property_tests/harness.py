@@ -47,7 +47,8 @@ ATOL = 1e-6
 # Where two equivalent plain runs already differ by more than that (an
 # ill-conditioned gradient component, see `rounding_floor`), the accumulated
 # run may differ from the reference by this many times as much (measured
-# ratios: 1.0 eagerly, 1.5 under XLA).
+# ratios: 1.0 eagerly, where the two runs are bit-identical, and up to 1.5
+# under XLA, which fuses the two runs' graphs differently).
 FLOOR_FACTOR = 4.0
 
 
@@ -68,9 +69,10 @@ class ModelSpec:
     width: int
     depth: int = 1
 
-    def inputs(self, rng: np.random.Generator, samples: int, unique_ids: bool,
-               ids_per_cycle: int) -> list[np.ndarray]:
-        """Input arrays for `samples` samples (a list: one per model input)."""
+    def inputs(self, rng: np.random.Generator, cycle_samples: Sequence[int],
+               unique_ids: bool) -> list[np.ndarray]:
+        """Input arrays (one per model input) for cycles of these sizes."""
+        samples = sum(cycle_samples)
         if self.kind == "dense":
             return [rng.normal(size=(samples, IN_DIM)).astype("float32")]
         if self.kind == "conv":
@@ -83,10 +85,9 @@ class ModelSpec:
         if unique_ids:
             # Every embedding row occurs at most once per cycle (see
             # `Case.unique_ids`).
-            cycles = -(-samples * IDS_PER_SAMPLE // ids_per_cycle)
             ids = np.concatenate(
-                [rng.permutation(VOCAB)[:ids_per_cycle] for _ in range(cycles)]
-            )[: samples * IDS_PER_SAMPLE]
+                [rng.permutation(VOCAB)[: k * IDS_PER_SAMPLE] for k in cycle_samples]
+            )
         else:
             ids = rng.integers(0, 8, size=samples * IDS_PER_SAMPLE)
         return [ids.reshape(samples, IDS_PER_SAMPLE).astype("int32")]
@@ -196,10 +197,28 @@ class Case:
     # LSO(opt) on the large batch. Scales are powers of two, so in float32
     # unscaling is exact and the runs must agree as closely as without.
     loss_scale: str | None = None
+    # None (every micro-batch has `micro_batch` samples), or per micro-step
+    # sizes; then each micro-batch is passed with `weight=` its size, and the
+    # weighted mean equals the large batch even for ragged micro-batches.
+    sizes: tuple[int, ...] | None = None
 
     @property
     def micro_steps(self) -> int:
         return self.n * self.cycles + self.extra
+
+    @property
+    def weighted(self) -> bool:
+        return self.sizes is not None
+
+    def size(self, i: int) -> int:
+        return self.micro_batch if self.sizes is None else self.sizes[i]
+
+    def start(self, i: int) -> int:
+        """Index of micro-step `i`'s first sample."""
+        return sum(self.size(j) for j in range(i))
+
+    def cycle_range(self, c: int) -> tuple[int, int]:
+        return self.start(c * self.n), self.start((c + 1) * self.n)
 
     @property
     def unique_ids(self) -> bool:
@@ -216,9 +235,10 @@ class Case:
 
     def data(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
         rng = np.random.default_rng(self.data_seed)
-        samples = self.micro_steps * self.micro_batch
-        ids_per_cycle = self.n * self.micro_batch * IDS_PER_SAMPLE
-        xs = self.model.inputs(rng, samples, self.unique_ids, ids_per_cycle)
+        cycles = [self.start(min((c + 1) * self.n, self.micro_steps)) - self.start(c * self.n)
+                  for c in range(self.cycles + (self.extra > 0))]
+        xs = self.model.inputs(rng, cycles, self.unique_ids)
+        samples = sum(cycles)
         ys = [rng.normal(size=(samples, OUT_DIM)).astype("float32") for _ in range(HEADS)]
         return xs, ys
 
@@ -238,20 +258,23 @@ def _compile(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
 
 
 def micro_step_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]:
-    """`step(xs, ys, heads)`: one micro-batch, mean loss over `heads`."""
+    """`step(xs, ys, heads, weight=None)`: one micro-batch, mean loss over `heads`."""
 
-    def step(xs, ys, heads):
+    def step(xs, ys, heads, weight=None):
         with tf.GradientTape() as tape:
             outs = model(xs, training=True)
             loss = tf.add_n([tf.reduce_mean(_per_sample_mse(outs[h], ys[h])) for h in heads])
             loss = opt.scale_loss(loss)
         grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
+        if weight is None:
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+        else:
+            opt.apply_gradients(zip(grads, model.trainable_variables), weight=weight)
 
     return _compile(step, mode)
 
 
-def large_batch_fn(model: keras.Model, opt: Any, mode: str, chunks: int = 1) -> Callable[..., Any]:
+def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]:
     """`step(xs, ys, weights, heads, scale)`: one large batch.
 
     The loss is `scale * sum_h mean_s(weights[h][s] * mse_h(s))` over the
@@ -262,15 +285,10 @@ def large_batch_fn(model: keras.Model, opt: Any, mode: str, chunks: int = 1) -> 
 
     def step(xs, ys, weights, heads, scale):
         with tf.GradientTape() as tape:
-            losses = []
-            for c in range(chunks):
-                part = [tf.split(t, chunks)[c] for t in xs], [tf.split(t, chunks)[c] for t in ys]
-                w = [tf.split(t, chunks)[c] for t in weights]
-                outs = model(part[0], training=True)
-                losses.append(tf.add_n(
-                    [tf.reduce_mean(w[h] * _per_sample_mse(outs[h], part[1][h])) for h in heads]
-                ))
-            loss = tf.add_n(losses) / float(chunks) if chunks > 1 else losses[0]
+            outs = model(xs, training=True)
+            loss = tf.add_n(
+                [tf.reduce_mean(weights[h] * _per_sample_mse(outs[h], ys[h])) for h in heads]
+            )
             loss = opt.scale_loss(loss * scale)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
@@ -336,23 +354,23 @@ def model_state(model: keras.Model) -> dict[str, np.ndarray]:
     return {f"model/{v.path}": np.asarray(v.numpy()) for v in model.weights}
 
 
-def rounding_floor(reference: dict, chunked: dict) -> dict[str, float]:
-    """Per state entry: how far two equivalent plain large-batch runs differ.
+def rounding_floor(reference: dict, summed: dict) -> dict[str, float]:
+    """Per state entry: how far two equivalent plain runs differ.
 
-    `chunked` is the same plain large-batch training with each batch's mean
-    loss computed as the mean of its n micro-batch means
-    (`run_reference(..., chunked=True)`): mathematically the same run, with
-    the gradient summed over micro-batches as accumulation sums it, and no
-    gradaccum involved. Mostly the two agree to ~1e-7. But a gradient
-    component that is a sum of terms cancelling to almost nothing carries a
-    rounding error far above float32's relative precision, and an optimizer
-    that normalises its step (Adam's m/sqrt(v) near epsilon, sign-like
-    updates) turns that into a visible difference in the weights (measured:
-    1.9e-4 on one weight of a drawn Conv2D/AdamW run under XLA, where the
-    chunked plain run differs by 1.3e-4 and the accumulated one by 1.9e-4).
+    `summed` is the plain optimizer applied, once per cycle, to the mean of
+    the micro-batch gradients that the test itself computes and sums in
+    float32 (`run_summed`): mathematically the large-batch run, with no
+    gradaccum involved, rounded the way accumulation rounds. Mostly the two
+    agree to ~1e-7. But a gradient component that is a sum of terms
+    cancelling to almost nothing carries a rounding error far above
+    float32's relative precision, and an optimizer that normalises its step
+    (Adam's m/sqrt(v), RMSprop, sign-like updates) makes its step size
+    independent of the component's size, so that relative error becomes an
+    absolute one of order `learning_rate * error` in the weights (measured:
+    1.9e-4 on one weight of a drawn Conv2D/AdamW run under XLA).
     """
     return {
-        k: float(np.max(np.abs(np.asarray(reference[k], np.float64) - chunked[k]), initial=0.0))
+        k: float(np.max(np.abs(np.asarray(reference[k], np.float64) - summed[k]), initial=0.0))
         for k in reference
     }
 
@@ -375,16 +393,16 @@ def assert_states_close(reference: dict, subject: dict, rtol: float = RTOL,
 def assert_matches_large_batch(case: "Case", reference: dict, subject: dict) -> None:
     """`subject` equals the large-batch `reference` to float32 rounding.
 
-    Within `RTOL`/`ATOL`; only if that fails is the chunked plain run made,
-    and entries may then differ by up to `FLOOR_FACTOR` times its distance
-    from the reference (see `rounding_floor`).
+    Within `RTOL`/`ATOL`; only if that fails is the summed plain run made
+    (`run_summed`), and entries may then differ by up to `FLOOR_FACTOR`
+    times its distance from the reference (see `rounding_floor`).
     """
     try:
         assert_states_close(reference, subject)
     except AssertionError:
-        chunked, _, _ = run_reference(case, chunked=True)
-        chunked = {k: v for k, v in chunked.items() if k in reference}
-        assert_states_close(reference, subject, floor=rounding_floor(reference, chunked))
+        summed, _, _ = run_summed(case)
+        summed = {k: v for k, v in summed.items() if k in reference}
+        assert_states_close(reference, subject, floor=rounding_floor(reference, summed))
 
 
 def assert_finite(state: dict) -> None:
@@ -465,7 +483,6 @@ def run_subject(case: Case, resume_at: int | None = None):
     if case.build_first:
         opt.build(model.trainable_variables)
     step = micro_step_fn(model, opt, case.mode)
-    b = case.micro_batch
     applied = 0
     with tempfile.TemporaryDirectory() as directory:
         for i in range(case.micro_steps):
@@ -482,7 +499,9 @@ def run_subject(case: Case, resume_at: int | None = None):
                 step = micro_step_fn(model, opt, case.mode)
             applies = (i + 1) % case.n == 0
             before = full_state(model, opt) if opt.built else model_state(model)
-            step(_rows(xs, i * b, (i + 1) * b), _rows(ys, i * b, (i + 1) * b), case.heads[i])
+            lo, hi = case.start(i), case.start(i + 1)
+            weight = tf.constant(float(case.size(i))) if case.weighted else None
+            step(_rows(xs, lo, hi), _rows(ys, lo, hi), case.heads[i], weight)
             applied += applies
             assert int(accumulating(opt).micro_step) == (i + 1) % case.n, f"micro-step {i}"
             assert int(opt.iterations) == applied, f"micro-step {i}"
@@ -495,7 +514,7 @@ def run_subject(case: Case, resume_at: int | None = None):
     return full_state(model, opt), model, opt
 
 
-def run_reference(case: Case, scale: float | None = None, chunked: bool = False):
+def run_reference(case: Case, scale: float | None = None):
     """Trains the plain optimizer on the large batch (B*n) of each cycle.
 
     A head enters the large-batch loss from the cycle in which any
@@ -506,37 +525,94 @@ def run_reference(case: Case, scale: float | None = None, chunked: bool = False)
 
     Args:
         case: The drawn run.
-        scale: Factor on the loss; default 1 for `reduction="mean"` and `n`
-            for `"sum"` (the sum of the n micro-batch mean losses).
-        chunked: Compute each large batch's mean loss as the mean of its n
-            micro-batch means (n forward passes in one tape): the same
-            training, rounded the way summed micro-batch gradients are (see
-            `rounding_floor`).
+        scale: Factor on the loss; default 1 for `reduction="mean"`, and for
+            `"sum"` `n` (the sum of the n micro-batch mean losses), or with
+            weighted micro-batches the cycle's sample count (their sum
+            weighted by size).
 
     Returns:
         `(state, model, optimizer)` after `case.cycles` updates.
     """
-    if scale is None:
-        scale = float(case.n) if case.reduction == "sum" else 1.0
     xs, ys = case.data()
     model = model_for(case.model)
     opt = make_plain(case)
     if case.build_first:
         opt.build(model.trainable_variables)
-    step = large_batch_fn(model, opt, case.mode, chunks=case.n if chunked else 1)
-    n, b = case.n, case.micro_batch
+    n = case.n
     seen: set[int] = set()
+    step = large_batch_fn(model, opt, case.mode)
     for c in range(case.cycles):
+        sizes = [case.size(i) for i in range(c * n, (c + 1) * n)]
         cycle_heads = case.heads[c * n : (c + 1) * n]
         for heads in cycle_heads:
             seen.update(heads)
         weights = [
-            tf.constant(np.repeat([float(h in heads) for heads in cycle_heads], b), tf.float32)
+            tf.constant(np.repeat([float(h in heads) for heads in cycle_heads], sizes), tf.float32)
             for h in range(HEADS)
         ]
-        lo, hi = c * n * b, (c + 1) * n * b
+        if scale is not None:
+            factor = scale
+        elif case.reduction == "mean":
+            factor = 1.0
+        else:  # the sum of the micro-batch losses, each weighted by its size
+            factor = float(sum(sizes)) if case.weighted else float(n)
+        lo, hi = case.cycle_range(c)
         step(_rows(xs, lo, hi), _rows(ys, lo, hi), weights, tuple(sorted(seen)),
-             tf.constant(scale, tf.float32))
+             tf.constant(factor, tf.float32))
+    return full_state(model, opt), model, opt
+
+
+def run_summed(case: Case):
+    """The plain optimizer on the mean of separately computed micro-gradients.
+
+    Per cycle: the gradient of each micro-batch's loss (in the case's mode),
+    summed in float32 in micro-step order (weighted by size for weighted
+    runs), divided by n (or the total weight; not at all for `"sum"`), and
+    applied once. Variables follow the same rule as `run_reference`: from the
+    first micro-step that gave them a gradient on, zeros where none.
+
+    Returns:
+        `(state, model, optimizer)` after `case.cycles` updates.
+    """
+    xs, ys = case.data()
+    model = model_for(case.model)
+    opt = make_plain(case)
+    # Built for every variable, as `apply_gradients` with `None` gradients
+    # builds it (`apply` below gets the variables taking part only).
+    opt.build(model.trainable_variables)
+    variables = model.trainable_variables
+
+    def grads_of(xb, yb, heads):
+        with tf.GradientTape() as tape:
+            outs = model(xb, training=True)
+            loss = tf.add_n([tf.reduce_mean(_per_sample_mse(outs[h], yb[h])) for h in heads])
+            loss = opt.scale_loss(loss)
+        return tape.gradient(loss, variables)
+
+    def apply(grads, indices):
+        opt.apply_gradients(zip(grads, [variables[i] for i in indices]))
+
+    grads_of, apply = _compile(grads_of, case.mode), _compile(apply, case.mode)
+    seen: set[int] = set()
+    for c in range(case.cycles):
+        sums: dict[int, tf.Tensor] = {}
+        total = tf.constant(0.0)
+        for i in range(c * case.n, (c + 1) * case.n):
+            lo, hi = case.start(i), case.start(i + 1)
+            w = tf.constant(float(case.size(i))) if case.weighted else None
+            for k, g in enumerate(grads_of(_rows(xs, lo, hi), _rows(ys, lo, hi), case.heads[i])):
+                if g is None:
+                    continue
+                g = tf.convert_to_tensor(g)
+                g = g if w is None else g * w
+                sums[k] = g if k not in sums else sums[k] + g
+                seen.add(k)
+            total = total + (tf.constant(1.0) if w is None else w)
+        included = sorted(seen)
+        grads = [sums.get(k, tf.zeros_like(variables[k])) for k in included]
+        if case.reduction == "mean":
+            grads = [g / total for g in grads]
+        apply(grads, tuple(included))
     return full_state(model, opt), model, opt
 
 
@@ -548,7 +624,7 @@ def run_plain_micro(case: Case):
     if case.build_first:
         opt.build(model.trainable_variables)
     step = micro_step_fn(model, opt, case.mode)
-    b = case.micro_batch
     for i in range(case.micro_steps):
-        step(_rows(xs, i * b, (i + 1) * b), _rows(ys, i * b, (i + 1) * b), case.heads[i])
+        lo, hi = case.start(i), case.start(i + 1)
+        step(_rows(xs, lo, hi), _rows(ys, lo, hi), case.heads[i])
     return full_state(model, opt), model, opt

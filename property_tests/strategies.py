@@ -172,12 +172,15 @@ def cases(
     optimizer: st.SearchStrategy[OptimizerSpec] | None = None,
     max_cycles: int = 3,
     heads_vary_when_traced: bool = False,
+    weighted: bool = False,
 ) -> Case:
     """A drawn training run (see `harness.Case`).
 
     In eager runs any head may be left out of the loss on any micro-step. In
     traced runs the heads are one set for the whole run, unless
-    `heads_vary_when_traced` (a traced step retraced per set of heads).
+    `heads_vary_when_traced` (a traced step retraced per set of heads). With
+    `weighted`, a third of the runs have ragged micro-batches passed with
+    `weight=` their size.
     """
     mode = draw(st.sampled_from(modes))
     n_ = draw(n)
@@ -189,6 +192,15 @@ def cases(
         heads = tuple(draw(st.lists(head_sets, min_size=steps, max_size=steps)))
     else:
         heads = (draw(head_sets),) * steps
+    loss_scale = draw(st.sampled_from([None, None, None, "accumulate_lso", "lso_accumulate"]))
+    sizes = None
+    if weighted and draw(st.integers(0, 2)) == 0:
+        # Ragged micro-batches, each weighted by its size (two sizes: each
+        # new shape retraces a traced step).
+        sizes = tuple(draw(st.lists(st.sampled_from([3, 1]), min_size=steps, max_size=steps)))
+        if loss_scale == "lso_accumulate":
+            # LossScaleOptimizer.apply_gradients takes no `weight`.
+            loss_scale = "accumulate_lso"
     return Case(
         model=draw(model_specs),
         optimizer=draw(optimizer if optimizer is not None else optimizers()),
@@ -201,5 +213,6 @@ def cases(
         mode=mode,
         data_seed=draw(st.integers(0, 2**16)),
         build_first=draw(st.booleans()),
-        loss_scale=draw(st.sampled_from([None, None, None, "accumulate_lso", "lso_accumulate"])),
+        loss_scale=loss_scale,
+        sizes=sizes,
     )
