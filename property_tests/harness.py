@@ -10,7 +10,11 @@ and checks, after every micro-step, that an in-between step left every model
 and optimizer variable bit-identical and that `micro_step`/`iterations`
 count as they should. `run_reference` trains the plain optimizer on the
 large batch of B*n samples of each cycle, from the same initial weights and
-in the same data order. Their final states must agree to float32 rounding.
+in the same data order. Their final states must agree to float32 rounding
+(`assert_matches_large_batch`). `run_summed` applies the plain optimizer to
+the test's own float32 sum of the micro-batch gradients: mathematically the
+large batch again, rounded as accumulation rounds; `run_plain_micro` is the
+plain optimizer on the micro-batches (what n=1 must be, bit for bit).
 
 Tracing dominates the cost, so models are built once per shape and reset by
 assigning their saved initial weights; the optimizers are new per run (their
