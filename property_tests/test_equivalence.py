@@ -10,6 +10,9 @@ with or without a (float32) LossScaleOptimizer, in either wrapping order.
 
 from __future__ import annotations
 
+import inspect
+
+import keras
 import numpy as np
 import tensorflow as tf
 from hypothesis import assume, example, given
@@ -31,7 +34,7 @@ from property_tests.harness import (
     run_summed,
     scaled,
 )
-from property_tests.strategies import cases
+from property_tests.strategies import FAMILIES, cases
 
 
 def _accumulators_empty(opt) -> bool:
@@ -283,3 +286,16 @@ def test_checkpoint_restore_at_a_drawn_micro_step_changes_nothing(case, data):
     uninterrupted, _, _ = run_subject(case)
     resumed, _, opt = run_subject(case, resume_at=stop if stop < case.micro_steps else None)
     assert_states_equal(uninterrupted, resumed, f"resumed after {stop} micro-steps")
+
+
+def test_every_builtin_optimizer_is_drawn():
+    """A new optimizer in `keras.optimizers` must get a strategy."""
+    wrappers = {"Optimizer", "LossScaleOptimizer", "MultiOptimizer", "OptimizerMap"}
+    shipped = {
+        name
+        for name, obj in vars(keras.optimizers).items()
+        if inspect.isclass(obj)
+        and issubclass(obj, keras.optimizers.Optimizer)
+        and name not in wrappers
+    }
+    assert shipped <= set(FAMILIES), sorted(shipped - set(FAMILIES))
