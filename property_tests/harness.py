@@ -312,7 +312,7 @@ def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
     under a LossScaleOptimizer), which differ between equivalent runs.
     """
     out = {}
-    for v in _optimizer_variables(optimizer):
+    for v in optimizer_variables(optimizer):
         path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
         key, k = f"opt/{path}", 1
         while key in out:
@@ -321,7 +321,7 @@ def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
     return out
 
 
-def _optimizer_variables(optimizer: Any) -> list[Any]:
+def optimizer_variables(optimizer: Any) -> list[Any]:
     """`optimizer.variables`, and variables its (inner) optimizers hold.
 
     A LossScaleOptimizer builds its inner optimizer with Keras's variable
