@@ -155,14 +155,18 @@ class OptimizerSpec:
     family: str
     kwargs: tuple[tuple[str, Any], ...] = ()
     schedule: tuple[str, tuple[tuple[str, Any], ...]] | None = None
+    # Where the class lives: "keras" (Keras 3), "tf_keras" (its optimizers
+    # since Keras 2.11) or "tf_keras.legacy" (OptimizerV2).
+    module: str = "keras"
 
-    def make(self) -> keras.optimizers.Optimizer:
+    def make(self) -> Any:
         kwargs = dict(self.kwargs)
+        optimizers = _optimizer_module(self.module)
         if self.schedule is not None:
             name, schedule_kwargs = self.schedule
-            schedule_cls = getattr(keras.optimizers.schedules, name)
-            kwargs["learning_rate"] = schedule_cls(**dict(schedule_kwargs))
-        return getattr(keras.optimizers, self.family)(**kwargs)
+            schedules = (keras if self.module == "keras" else _tf_keras()).optimizers.schedules
+            kwargs["learning_rate"] = getattr(schedules, name)(**dict(schedule_kwargs))
+        return getattr(optimizers, self.family)(**kwargs)
 
     def linear_in_gradient(self) -> bool:
         """Whether the update is linear in the gradient (rows may repeat)."""
@@ -171,6 +175,22 @@ class OptimizerSpec:
             kwargs.get(k) is not None for k in ("clipnorm", "clipvalue", "global_clipnorm")
         )
         return self.family == "SGD" and not clipped
+
+
+def _tf_keras() -> Any:
+    import tf_keras  # only in the tf_keras environment
+
+    return tf_keras
+
+
+def _optimizer_module(module: str) -> Any:
+    if module == "keras":
+        return keras.optimizers
+    if module == "tf_keras":
+        return _tf_keras().optimizers
+    if module == "tf_keras.legacy":
+        return _tf_keras().optimizers.legacy
+    raise ValueError(f"Unknown optimizer module {module!r}.")
 
 
 # ----------------------------------------------------------------------

@@ -131,9 +131,26 @@ def schedules(draw: st.DrawFn, lr: float) -> tuple[str, tuple[tuple[str, Any], .
     return name, tuple(sorted(kw.items()))
 
 
+# tf_keras: its optimizers since Keras 2.11, and OptimizerV2 ("legacy"),
+# which has no weight decay or EMA.
+TF_KERAS_FAMILIES = (
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam",
+    "Ftrl", "Lion", "Adafactor",
+)
+TF_KERAS_LEGACY_FAMILIES = (
+    "SGD", "Adam", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Ftrl",
+)
+
+
 @st.composite
-def optimizers(draw: st.DrawFn, families: tuple[str, ...] = FAMILIES) -> OptimizerSpec:
-    """Any Keras 3 optimizer with valid hyperparameters and features."""
+def optimizers(
+    draw: st.DrawFn, families: tuple[str, ...] = FAMILIES, module: str = "keras"
+) -> OptimizerSpec:
+    """An optimizer of `module` with valid hyperparameters and features.
+
+    `module` is "keras" (Keras 3, the default), "tf_keras" or
+    "tf_keras.legacy"; the hyperparameters drawn are those all three share.
+    """
     family = draw(st.sampled_from(families))
     kw = _family_kwargs(draw, family)
     clip = draw(st.sampled_from([None, "clipnorm", "clipvalue", "global_clipnorm"]))
@@ -141,16 +158,17 @@ def optimizers(draw: st.DrawFn, families: tuple[str, ...] = FAMILIES) -> Optimiz
         kw["clipvalue"] = draw(log_uniform(-3, 0))
     elif clip is not None:
         kw[clip] = draw(log_uniform(-2, 1))
-    if "weight_decay" not in kw and draw(st.booleans()):
+    legacy = module == "tf_keras.legacy"
+    if not legacy and "weight_decay" not in kw and draw(st.booleans()):
         kw["weight_decay"] = draw(unit(0.0, 0.2))
-    if draw(st.booleans()):
+    if not legacy and draw(st.booleans()):
         kw["use_ema"] = True
         kw["ema_momentum"] = draw(unit(0.0, 0.999))
         kw["ema_overwrite_frequency"] = draw(st.sampled_from([None, 1, 2, 3]))
     schedule = None
     if family in _SCHEDULABLE and draw(st.integers(0, 3)) == 0:
         schedule = draw(schedules(kw.pop("learning_rate")))
-    return OptimizerSpec(family, tuple(sorted(kw.items())), schedule)
+    return OptimizerSpec(family, tuple(sorted(kw.items())), schedule, module)
 
 
 model_specs = st.builds(
