@@ -131,9 +131,26 @@ def schedules(draw: st.DrawFn, lr: float) -> tuple[str, tuple[tuple[str, Any], .
     return name, tuple(sorted(kw.items()))
 
 
+# tf_keras: its optimizers since Keras 2.11, and OptimizerV2 ("legacy"),
+# which has no weight decay or EMA.
+TF_KERAS_FAMILIES = (
+    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam",
+    "Ftrl", "Lion", "Adafactor",
+)
+TF_KERAS_LEGACY_FAMILIES = (
+    "SGD", "Adam", "RMSprop", "Adagrad", "Adadelta", "Adamax", "Nadam", "Ftrl",
+)
+
+
 @st.composite
-def optimizers(draw: st.DrawFn, families: tuple[str, ...] = FAMILIES) -> OptimizerSpec:
-    """Any Keras 3 optimizer with valid hyperparameters and features."""
+def optimizers(
+    draw: st.DrawFn, families: tuple[str, ...] = FAMILIES, module: str = "keras"
+) -> OptimizerSpec:
+    """An optimizer of `module` with valid hyperparameters and features.
+
+    `module` is "keras" (Keras 3, the default), "tf_keras" or
+    "tf_keras.legacy"; the hyperparameters drawn are those all three share.
+    """
     family = draw(st.sampled_from(families))
     kw = _family_kwargs(draw, family)
     clip = draw(st.sampled_from([None, "clipnorm", "clipvalue", "global_clipnorm"]))
@@ -141,16 +158,18 @@ def optimizers(draw: st.DrawFn, families: tuple[str, ...] = FAMILIES) -> Optimiz
         kw["clipvalue"] = draw(log_uniform(-3, 0))
     elif clip is not None:
         kw[clip] = draw(log_uniform(-2, 1))
-    if "weight_decay" not in kw and draw(st.booleans()):
+    legacy = module == "tf_keras.legacy"
+    if not legacy and "weight_decay" not in kw and draw(st.booleans()):
         kw["weight_decay"] = draw(unit(0.0, 0.2))
-    if draw(st.booleans()):
+    if not legacy and draw(st.booleans()):
         kw["use_ema"] = True
         kw["ema_momentum"] = draw(unit(0.0, 0.999))
         kw["ema_overwrite_frequency"] = draw(st.sampled_from([None, 1, 2, 3]))
     schedule = None
-    if family in _SCHEDULABLE and draw(st.integers(0, 3)) == 0:
+    schedulable = family in _SCHEDULABLE and not (legacy and family == "Nadam")
+    if schedulable and draw(st.integers(0, 3)) == 0:  # legacy Nadam refuses them
         schedule = draw(schedules(kw.pop("learning_rate")))
-    return OptimizerSpec(family, tuple(sorted(kw.items())), schedule)
+    return OptimizerSpec(family, tuple(sorted(kw.items())), schedule, module)
 
 
 model_specs = st.builds(
@@ -172,12 +191,15 @@ def cases(
     optimizer: st.SearchStrategy[OptimizerSpec] | None = None,
     max_cycles: int = 3,
     heads_vary_when_traced: bool = False,
+    weighted: bool = False,
 ) -> Case:
     """A drawn training run (see `harness.Case`).
 
     In eager runs any head may be left out of the loss on any micro-step. In
     traced runs the heads are one set for the whole run, unless
-    `heads_vary_when_traced` (a traced step retraced per set of heads).
+    `heads_vary_when_traced` (a traced step retraced per set of heads). With
+    `weighted`, a third of the runs have ragged micro-batches passed with
+    `weight=` their size.
     """
     mode = draw(st.sampled_from(modes))
     n_ = draw(n)
@@ -189,6 +211,15 @@ def cases(
         heads = tuple(draw(st.lists(head_sets, min_size=steps, max_size=steps)))
     else:
         heads = (draw(head_sets),) * steps
+    loss_scale = draw(st.sampled_from([None, None, None, "accumulate_lso", "lso_accumulate"]))
+    sizes = None
+    if weighted and draw(st.integers(0, 2)) == 0:
+        # Ragged micro-batches, each weighted by its size (two sizes: each
+        # new shape retraces a traced step).
+        sizes = tuple(draw(st.lists(st.sampled_from([3, 1]), min_size=steps, max_size=steps)))
+        if loss_scale == "lso_accumulate":
+            # LossScaleOptimizer.apply_gradients takes no `weight`.
+            loss_scale = "accumulate_lso"
     return Case(
         model=draw(model_specs),
         optimizer=draw(optimizer if optimizer is not None else optimizers()),
@@ -201,5 +232,6 @@ def cases(
         mode=mode,
         data_seed=draw(st.integers(0, 2**16)),
         build_first=draw(st.booleans()),
-        loss_scale=draw(st.sampled_from([None, None, None, "accumulate_lso", "lso_accumulate"])),
+        loss_scale=loss_scale,
+        sizes=sizes,
     )

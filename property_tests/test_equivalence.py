@@ -10,9 +10,12 @@ with or without a (float32) LossScaleOptimizer, in either wrapping order.
 
 from __future__ import annotations
 
+import inspect
+
+import keras
 import numpy as np
 import tensorflow as tf
-from hypothesis import example, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from property_tests.harness import (
@@ -22,15 +25,16 @@ from property_tests.harness import (
     ModelSpec,
     OptimizerSpec,
     assert_finite,
-    assert_states_close,
+    assert_matches_large_batch,
     accumulating,
     assert_states_equal,
     run_plain_micro,
     run_reference,
     run_subject,
+    run_summed,
     scaled,
 )
-from property_tests.strategies import cases
+from property_tests.strategies import FAMILIES, cases
 
 
 def _accumulators_empty(opt) -> bool:
@@ -41,7 +45,7 @@ def _accumulators_empty(opt) -> bool:
 
 
 @scaled(40)
-@given(case=cases())
+@given(case=cases(weighted=True))
 # Found by this property: with `use_ema` and `ema_overwrite_frequency`,
 # Keras overwrites every variable the optimizer was built for with its
 # average, also those without a gradient (here `head1`); the in-between
@@ -83,13 +87,43 @@ def _accumulators_empty(opt) -> bool:
         loss_scale="accumulate_lso",
     )
 )
+# Found by this property: not a bug but float32 ill-conditioning. One
+# `head1` kernel gradient component is a sum cancelling to ~1e-6 with a
+# relative rounding error of ~4e-3; Adam's normalised step turns that into
+# 1.9e-4 off the large batch under XLA, about as far as the plain optimizer
+# on the test's own sum of micro-batch gradients lands (1.3e-4; see
+# `harness.rounding_floor`).
+@example(
+    case=Case(
+        model=ModelSpec(kind="conv", width=6, depth=1),
+        optimizer=OptimizerSpec(
+            "AdamW",
+            (("beta_1", 0.0), ("beta_2", 0.9), ("epsilon", 1e-08),
+             ("global_clipnorm", 1.0), ("weight_decay", 0.0292)),
+            ("CosineDecayRestarts",
+             (("first_decay_steps", 2), ("initial_learning_rate", 0.0158),
+              ("m_mul", 0.8691), ("t_mul", 1.0))),
+        ),
+        n=4,
+        reduction="sum",
+        micro_batch=1,
+        cycles=3,
+        extra=3,
+        heads=((0, 1),) * 15,
+        mode="jit",
+        data_seed=14159,
+        build_first=False,
+    )
+)
 def test_accumulated_equals_large_batch(case):
     """Weights, every optimizer variable and `iterations` match large batch.
 
     `run_subject` also checks every in-between micro-step bit-identical.
     With `reduction="sum"` the reference loss is the sum of the n micro-batch
-    mean losses, i.e. n times the mean result's gradient. Micro-steps after
-    the last full cycle (`case.extra`) must not show in the state at all.
+    mean losses, i.e. n times the mean result's gradient. Ragged micro-batches
+    passed with `weight=` their size equal the large batch of all their
+    samples. Micro-steps after the last full cycle (`case.extra`) must not
+    show in the state at all.
     """
     reference, _, _ = run_reference(case)
     assert_finite(reference)
@@ -97,11 +131,34 @@ def test_accumulated_equals_large_batch(case):
     assert int(subject["iterations"]) == case.cycles
     if case.extra == 0:
         assert _accumulators_empty(accumulating(opt))
+    _assert_matches(case, reference, subject)
+
+
+def _assert_matches(case, reference, subject):
     if case.loss_scale:
         # Finite loss-scaled backward passes: batches vs micro-batches.
         assert int(reference.pop(STEP_COUNTER)) == case.cycles
         assert int(subject.pop(STEP_COUNTER)) == case.micro_steps
-    assert_states_close(reference, subject)
+    assert_matches_large_batch(case, reference, subject)
+
+
+@scaled(10)
+@given(case=cases(modes=("eager",), weighted=True))
+def test_eager_accumulation_is_the_summed_micro_gradients_bit_for_bit(case):
+    """Eagerly, the update is exactly the plain optimizer's on the float32
+    (weighted) sum of the micro-batch gradients, divided as documented.
+
+    The reference (`run_summed`) computes and sums the micro-batch gradients
+    itself, without gradaccum. Repeated embedding rows are left out: summing
+    an `IndexedSlices` gradient's rows adds them in another order.
+    """
+    assume(case.unique_ids or case.model.kind != "embedding")
+    summed, _, _ = run_summed(case)
+    assert_finite(summed)
+    subject, _, _ = run_subject(case)
+    if case.loss_scale:
+        summed.pop(STEP_COUNTER), subject.pop(STEP_COUNTER)
+    assert_states_equal(summed, subject, "against the summed micro-gradients")
 
 
 @scaled(10)
@@ -137,7 +194,7 @@ def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(case):
     assert_states_equal(plain, subject, "n=1 against the plain optimizer")
 
 
-@scaled(10)
+@scaled(8)
 @given(case=cases(modes=("tf_function",), heads_vary_when_traced=True))
 # Found by this property: the step for heads (0,) is traced on micro-step 0,
 # before `head1` ever had a gradient; `head1` gets one on micro-step 2, and
@@ -164,7 +221,13 @@ def test_traced_loop_whose_none_pattern_changes_is_exact_or_refused(case):
     A trace made before some variable first received a gradient cannot
     apply that variable's accumulated sum; it must then refuse (raise), never
     train silently wrong. Any run that completes equals large batch.
+
+    Drawn so that a head, once in the loss, is in it at least once in every
+    later cycle: whether a traced step gives a variable without a gradient
+    in a whole cycle a zero gradient (the documented eager rule) or skips it
+    (as the large batch does) depends on when that step was traced.
     """
+    assume(_every_seen_head_in_every_later_cycle(case))
     reference, _, _ = run_reference(case)
     assert_finite(reference)
     try:
@@ -173,11 +236,17 @@ def test_traced_loop_whose_none_pattern_changes_is_exact_or_refused(case):
         assert "traced before variables" in error.message
         assert _has_stale_trace(case), "refused a run a stale trace cannot spoil"
         return
-    if case.loss_scale:
-        # Finite loss-scaled backward passes: batches vs micro-batches.
-        assert int(reference.pop(STEP_COUNTER)) == case.cycles
-        assert int(subject.pop(STEP_COUNTER)) == case.micro_steps
-    assert_states_close(reference, subject)
+    _assert_matches(case, reference, subject)
+
+
+def _every_seen_head_in_every_later_cycle(case) -> bool:
+    seen: set[int] = set()
+    for c in range(case.cycles):
+        cycle = set().union(*case.heads[c * case.n : (c + 1) * case.n])
+        if not seen <= cycle:
+            return False
+        seen |= cycle
+    return True
 
 
 def _has_stale_trace(case) -> bool:
@@ -204,8 +273,8 @@ def _has_stale_trace(case) -> bool:
     return False
 
 
-@scaled(12)
-@given(case=cases(max_cycles=2), data=st.data())
+@scaled(10)
+@given(case=cases(max_cycles=2, weighted=True), data=st.data())
 def test_checkpoint_restore_at_a_drawn_micro_step_changes_nothing(case, data):
     """Save after k micro-steps, restore into new objects, go on: same bits.
 
@@ -217,3 +286,16 @@ def test_checkpoint_restore_at_a_drawn_micro_step_changes_nothing(case, data):
     uninterrupted, _, _ = run_subject(case)
     resumed, _, opt = run_subject(case, resume_at=stop if stop < case.micro_steps else None)
     assert_states_equal(uninterrupted, resumed, f"resumed after {stop} micro-steps")
+
+
+def test_every_builtin_optimizer_is_drawn():
+    """A new optimizer in `keras.optimizers` must get a strategy."""
+    wrappers = {"Optimizer", "LossScaleOptimizer", "MultiOptimizer", "OptimizerMap"}
+    shipped = {
+        name
+        for name, obj in vars(keras.optimizers).items()
+        if inspect.isclass(obj)
+        and issubclass(obj, keras.optimizers.Optimizer)
+        and name not in wrappers
+    }
+    assert shipped <= set(FAMILIES), sorted(shipped - set(FAMILIES))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import keras
+import tensorflow as tf
 
 from gradaccum.adapters import _load_optional_families
 
@@ -50,4 +51,10 @@ def _install(optimizer: Any, attribute: str, wrap: Callable[[Any], Any]) -> Any:
     """Replaces the wrapper's inner optimizer by `wrap(inner)`; returns it."""
     core = wrap(getattr(optimizer, attribute))
     setattr(optimizer, attribute, core)
+    delegating = tf.__internal__.tracking.DelegatingTrackableMixin
+    if isinstance(optimizer, delegating):
+        # tf_keras's loss-scale optimizer for OptimizerV2 hands every
+        # checkpoint call to the inner optimizer it was created with; point it
+        # at the core, or checkpoints would miss the accumulation state.
+        delegating.__init__(optimizer, core)
     return core

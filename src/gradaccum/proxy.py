@@ -296,7 +296,8 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             return 0 if self._self_schedule is not None else self._self_n
 
         self._self_state = _AccumulationState(
-            accumulators, micro_step, weight_total, n_code, self._self_reduction
+            accumulators, micro_step, weight_total, n_code, self._self_reduction,
+            self._self_seen,
         )
         self._restore_deferred_state()
 

@@ -44,6 +44,9 @@ class _AccumulationState(tf.Module):
         weight_total: Replica-local sum of the micro-batch weights.
         n: Returns the current `n` (an int), 0 for a schedule.
         reduction: `"mean"` or `"sum"`.
+        seen: The proxy's set of indices of variables that have received a
+            gradient (they take part in every update from then on); saved
+            with the state and restored into the same set object.
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class _AccumulationState(tf.Module):
         weight_total: tf.Variable,
         n: Any,
         reduction: str,
+        seen: set[int],
     ):
         super().__init__(name="gradient_accumulation")
         self.accumulators = accumulators
@@ -60,9 +64,18 @@ class _AccumulationState(tf.Module):
         self.weight_total = weight_total
         self._current_n = n
         self._reduction = reduction
-        # Set when values may have been restored: the proxy then re-reads
-        # which accumulators hold gradients before its next step.
-        self._restored = True
+        self._seen = seen
+        # Set when accumulators were restored from a file that did not say
+        # which variables had gradients: the proxy then re-reads which
+        # accumulators hold sums before its next step.
+        self._restored = False
+
+    def _seen_mask(self) -> np.ndarray:
+        return np.array([i in self._seen for i in range(len(self.accumulators))])
+
+    def _set_seen(self, mask: Any) -> None:
+        self._seen.clear()
+        self._seen.update(int(i) for i in np.flatnonzero(np.asarray(mask)))
 
     @property
     def _n(self) -> int:
@@ -72,14 +85,22 @@ class _AccumulationState(tf.Module):
         return tf.constant(self._current_n(), dtype=tf.int64)
 
     # Written beside the variables; checked when read back.
+    # Which variables have had a gradient is Python state (it decides what a
+    # traced step updates); a resumed cycle needs it, or a variable whose
+    # gradient is None for the rest of the cycle would be left out of the
+    # update with its accumulated sum.
     def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
-        return {"n": self._n_tensor(), "reduction": tf.constant(self._reduction)}
+        return {
+            "n": self._n_tensor(),
+            "reduction": tf.constant(self._reduction),
+            "seen": tf.constant(self._seen_mask()),
+        }
 
     def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
         n, reduction = restored_tensors["n"], restored_tensors["reduction"]
-        self._restored = True
         if tf.executing_eagerly():
             _check_settings(int(n), reduction.numpy().decode(), self._n, self._reduction)
+            self._set_seen(restored_tensors["seen"].numpy())
             return tf.no_op()
         # Traced restore functions (SavedModel) check in the graph.
         return tf.group(
@@ -98,6 +119,7 @@ class _AccumulationState(tf.Module):
         store[f"{_KEY}reduction"] = np.asarray(_REDUCTION_CODES[self._reduction])
         store[f"{_KEY}micro_step"] = np.asarray(self.micro_step.numpy())
         store[f"{_KEY}weight_total"] = np.asarray(self.weight_total.numpy())
+        store[f"{_KEY}seen"] = self._seen_mask()
         for i, acc in enumerate(self.accumulators):
             store[f"{_KEY}accumulator_{i}"] = np.asarray(acc.numpy())
 
@@ -123,7 +145,10 @@ class _AccumulationState(tf.Module):
                 )
             acc.assign(_per_replica_share(value))
         self.micro_step.assign(int(np.asarray(store[f"{_KEY}micro_step"])))
-        self._restored = True
+        if f"{_KEY}seen" in store.keys():
+            self._set_seen(store[f"{_KEY}seen"])
+        else:  # written before the mask was saved: read it off the sums
+            self._restored = True
         if f"{_KEY}weight_total" in store.keys():
             self.weight_total.assign(_per_replica_share(np.asarray(store[f"{_KEY}weight_total"])))
         else:  # written before weights existed: every micro-batch weighed 1

@@ -1,0 +1,142 @@
+"""The accumulation state machine (see `property_tests.machine`) for tf_keras.
+
+Every optimizer tf_keras ships, new (`tf_keras.optimizers.*`) and legacy
+(`tf_keras.optimizers.legacy.*`, OptimizerV2), with random hyperparameters,
+alone or with `tf_keras.mixed_precision.LossScaleOptimizer` in either order.
+tf_keras's loss-scale optimizer differs from Keras 3's in three documented
+ways the model follows: gradients reach `apply_gradients` unscaled (by
+`get_unscaled_gradients`), the scale never halves below 1, and around the
+accumulating optimizer a dropped micro-batch still adds 1 to `iterations`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize
+
+from gradaccum import accumulate
+from property_tests.harness import scaled
+from property_tests.machine import WRAPS, MachineBase
+from property_tests.strategies import (
+    TF_KERAS_FAMILIES,
+    TF_KERAS_LEGACY_FAMILIES,
+    optimizers,
+)
+
+tf_keras_optimizers = st.one_of(
+    optimizers(TF_KERAS_FAMILIES, module="tf_keras"),
+    optimizers(TF_KERAS_LEGACY_FAMILIES, module="tf_keras.legacy"),
+)
+
+
+def _key(name: str) -> str:
+    """A variable's name without the scopes that differ between equivalent runs.
+
+    Leading scopes that are an optimizer's default name (capitalised) are
+    dropped ("Adam/m/kernel" built by `apply_gradients`, "m/kernel" by
+    `build`), as is the uniquifying suffix of unnamed variables.
+    """
+    parts = name.split(":")[0].split("/")
+    while len(parts) > 1 and re.fullmatch(r"[A-Z]\w*|cond(_\d+)?", parts[0]):
+        parts = parts[1:]
+    return re.sub(r"_\d+$", "", "/".join(parts))
+
+
+class TfKerasAccumulationMachine(MachineBase):
+    LSO = tf_keras.mixed_precision.LossScaleOptimizer
+    MIN_SCALE = 1.0
+    DROPPED_BUMPS_ITERATIONS = ("lso_accumulate",)
+
+    @initialize(
+        spec=tf_keras_optimizers,
+        n=st.integers(1, 4),
+        reduction=st.sampled_from(["mean", "sum"]),
+        wrap=st.sampled_from(WRAPS),
+        scale_exponent=st.integers(0, 15),
+        growth=st.integers(1, 4),
+    )
+    def start(self, spec, n, reduction, wrap, scale_exponent, growth):
+        self._start(spec, n, reduction, wrap, scale_exponent, growth)
+
+    def _variable(self, value: np.ndarray, name: str) -> Any:
+        return tf.Variable(value, name=name)
+
+    def _subject(self):
+        if self.wrap != "lso_accumulate":
+            return super()._subject()
+        # Built before wrapping: built lazily, on the loss-scale optimizer's
+        # first `apply_gradients`, it would know only the variables that had
+        # gradients then (see the known-bug test below).
+        inner = self.spec.make()
+        core = accumulate(inner, self.n, reduction=self.reduction)
+        core.build(self.vars)
+        top = self._make_lso(core, self.initial_scale, self.growth)
+        self._build(top, self.vars)
+        return top, inner
+
+    def _make_lso(self, inner: Any, initial_scale: float, growth: int) -> Any:
+        return self.LSO(inner, initial_scale=initial_scale, dynamic_growth_steps=growth)
+
+    def _build(self, optimizer: Any, variables: list[Any]) -> None:
+        build = getattr(optimizer, "build", None)
+        if build is not None:
+            build(variables)
+        else:  # OptimizerV2 (and its loss-scale optimizer) create slots so
+            optimizer._create_all_weights(variables)
+
+    def _optimizer_variables(self, optimizer: Any) -> list[Any]:
+        variables = optimizer.variables
+        return list(variables() if callable(variables) else variables)
+
+    def _optimizer_state(self, optimizer: Any) -> dict[str, np.ndarray]:
+        out = {}
+        for v in self._optimizer_variables(optimizer):
+            key, k = f"opt/{_key(v.name)}", 1
+            while key in out:
+                key, k = f"opt/{_key(v.name)}#{k}", k + 1
+            out[key] = np.asarray(v.numpy())
+        return out
+
+    def _loss_scale(self) -> tuple[float, int]:
+        return float(self.opt.loss_scale), int(self.opt.dynamic_counter.numpy())
+
+    def _unscaled(self, grads: list[Any]) -> list[Any]:
+        return self.opt.get_unscaled_gradients(grads)
+
+
+TfKerasAccumulationMachine.TestCase.settings = settings(scaled(20), stateful_step_count=30)
+TestTfKerasAccumulationMachine = TfKerasAccumulationMachine.TestCase
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="Known bug: built lazily under a tf_keras loss-scale optimizer, the "
+    "accumulating optimizer knows only the variables of the first micro-step "
+    "with gradients.",
+)
+def test_loss_scale_optimizer_around_an_unbuilt_accumulating_optimizer():
+    """`LSO(accumulate(legacy_opt))`, as tf_keras's `compile` builds it under
+    `mixed_float16`, when the first micro-batch gives a variable no gradient.
+
+    tf_keras's loss-scale optimizer drops `None` gradients before calling
+    its inner optimizer, and an OptimizerV2 is not built before its first
+    `apply_gradients`; so the accumulating optimizer builds its state for the
+    variables of that first call only, and the next gradient for another
+    variable raises "which this optimizer was not built for".
+    """
+    variables = [tf.Variable(np.ones((2,), np.float32), name=name) for name in "ab"]
+    opt = tf_keras.mixed_precision.LossScaleOptimizer(
+        accumulate(tf_keras.optimizers.legacy.SGD(0.1), 2)
+    )
+    grad = tf.ones((2,))
+    opt.apply_gradients([(grad, variables[0]), (None, variables[1])])
+    opt.apply_gradients([(grad, variables[0]), (grad, variables[1])])
