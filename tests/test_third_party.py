@@ -55,11 +55,12 @@ def test_outside_the_block_compile_is_untouched():
 def test_nested_blocks_innermost_wins_and_already_accumulating_is_kept():
     model = third_party_trainer.build()
     with accumulating(n=2):
-        with accumulating(n=5, reduction="sum"):
+        with accumulating(n=5, reduction="sum", mode="skip"):
             model.compile(optimizer="adam", loss="mse")
             assert (model.optimizer.n, model.optimizer.reduction) == (5, "sum")
+            assert model.optimizer.mode == "skip"
         model.compile(optimizer="adam", loss="mse")
-        assert model.optimizer.n == 2
+        assert (model.optimizer.n, model.optimizer.mode) == (2, "masked")
         own = accumulate(keras.optimizers.Adam(), 7)
         model.compile(optimizer=own, loss="mse")
         assert model.optimizer is own and own.n == 7
@@ -96,6 +97,9 @@ def test_bad_block_arguments():
             pass
     with pytest.raises(ValueError, match="`reduction`"):
         with accumulating(n=2, reduction="max"):
+            pass
+    with pytest.raises(ValueError, match="`mode`"):
+        with accumulating(n=2, mode="fast"):
             pass
 
 

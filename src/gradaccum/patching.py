@@ -9,7 +9,7 @@ wrapped with `accumulate(..., n)` before `compile` sees it. What happens:
 - An optimizer that already accumulates (an `AccumulatingOptimizer`, or a
   loss-scale optimizer around one) is passed on unchanged: nothing
   accumulates twice, and its own `n` stands.
-- Nested blocks: the innermost block's `n` and `reduction` apply; leaving it
+- Nested blocks: the innermost block's `n`, `reduction` and `mode` apply; leaving it
   restores the outer block's.
 - Threads: a block applies to the thread that entered it. `compile` called
   on other threads at the same time is not affected. The patch on
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator
 import keras
 import wrapt
 
-from gradaccum._validation import _check_n_or_schedule, _check_reduction
+from gradaccum._validation import _check_mode, _check_n_or_schedule, _check_reduction
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -56,12 +56,12 @@ def _wrapped_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kw
     from gradaccum.callbacks import _accumulating
     from gradaccum.proxy import accumulate
 
-    n, reduction = stack[-1]
+    n, reduction, mode = stack[-1]
     bound = _SIGNATURE.bind_partial(*args, **kwargs)
     optimizer = bound.arguments.get("optimizer", "rmsprop")
     if optimizer is not None and _accumulating(optimizer) is None:
         bound.arguments["optimizer"] = accumulate(
-            keras.optimizers.get(optimizer), n, reduction=reduction
+            keras.optimizers.get(optimizer), n, reduction=reduction, mode=mode
         )
     return wrapped(*bound.args, **bound.kwargs)
 
@@ -92,7 +92,9 @@ _SIGNATURE: inspect.Signature
 
 
 @contextlib.contextmanager
-def accumulating(n: int | Callable[..., Any], *, reduction: str = "mean") -> Iterator[None]:
+def accumulating(
+    n: int | Callable[..., Any], *, reduction: str = "mean", mode: str = "masked"
+) -> Iterator[None]:
     """Wraps every optimizer given to `keras.Model.compile` in this block.
 
     ```python
@@ -104,6 +106,7 @@ def accumulating(n: int | Callable[..., Any], *, reduction: str = "mean") -> Ite
         n: Micro-batches per update (an int >= 1 or a schedule), as for
             `accumulate()`.
         reduction: `"mean"` or `"sum"`, as for `accumulate()`.
+        mode: `"masked"` or `"skip"`, as for `accumulate()`.
 
     Yields:
         Nothing; on exit `compile` is restored (see the module docstring for
@@ -111,13 +114,14 @@ def accumulating(n: int | Callable[..., Any], *, reduction: str = "mean") -> Ite
 
     Raises:
         TypeError: If `n` is not an int or callable.
-        ValueError: If `n < 1` or `reduction` is unknown.
+        ValueError: If `n < 1`, or `reduction` or `mode` is unknown.
     """
     n = _check_n_or_schedule(n)
     reduction = _check_reduction(reduction)
+    mode = _check_mode(mode)
     _install()
     stack = _stack()
-    stack.append((n, reduction))
+    stack.append((n, reduction, mode))
     try:
         yield
     finally:
