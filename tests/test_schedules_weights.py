@@ -79,12 +79,13 @@ def _traced_step(model, opt, weighted=False):
 # n that changes
 
 
-def test_schedule_for_n_equals_growing_large_batches_without_retracing():
+@pytest.mark.parametrize("mode", MODES)
+def test_schedule_for_n_equals_growing_large_batches_without_retracing(mode):
     micro = _micro_batches([B] * 12)
     # Updates 0 and 1 accumulate 2 micro-batches, the rest 4.
     expected = _reference([micro[0:2], micro[2:4], micro[4:8], micro[8:12]])
     model = make_mlp()
-    opt = accumulate(_adam(), n=lambda step: tf.where(step < 2, 2, 4))
+    opt = accumulate(_adam(), n=lambda step: tf.where(step < 2, 2, 4), mode=mode)
     step, traces = _traced_step(model, opt)
     for x, y in micro:
         step(x, y, 1.0)
@@ -93,11 +94,12 @@ def test_schedule_for_n_equals_growing_large_batches_without_retracing():
     assert_states_close(expected, full_state(model, opt))
 
 
-def test_setting_n_between_cycles_needs_no_retracing():
+@pytest.mark.parametrize("mode", MODES)
+def test_setting_n_between_cycles_needs_no_retracing(mode):
     micro = _micro_batches([B] * 7)
     expected = _reference([micro[0:3], micro[3:5], micro[5:7]])
     model = make_mlp()
-    opt = accumulate(_adam(), 3)
+    opt = accumulate(_adam(), 3, mode=mode)
     step, traces = _traced_step(model, opt)
     for k, (x, y) in enumerate(micro):
         if k == 3:
@@ -108,12 +110,13 @@ def test_setting_n_between_cycles_needs_no_retracing():
 
 
 @pytest.mark.parametrize("new_n, expected_groups", [(2, [[0, 1], [2, 3]]), (1, [[0, 1, 2], [3]])])
-def test_setting_n_mid_cycle_ends_the_cycle_once_it_holds_new_n(new_n, expected_groups):
+@pytest.mark.parametrize("mode", MODES)
+def test_setting_n_mid_cycle_ends_the_cycle_once_it_holds_new_n(new_n, expected_groups, mode):
     """Documented: the cycle ends at the first micro-step holding >= new n."""
     micro = _micro_batches([B] * 4)
     expected = _reference([[micro[k] for k in g] for g in expected_groups])
     model = make_mlp()
-    opt = accumulate(_adam(), 3)
+    opt = accumulate(_adam(), 3, mode=mode)
     for k, (x, y) in enumerate(micro):
         if k == 2 and new_n == 1:
             opt.n = new_n  # two micro-batches already accumulated
@@ -138,18 +141,64 @@ def test_bad_n_settings():
         zero.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
 
 
+def _schedule(step):
+    return tf.where(step < 2, 2, 3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_schedule_checkpoint_mid_cycle_resumes_bit_identical(tmp_path, mode):
+    """Saved after the schedule switched, in the middle of a cycle of 3."""
+    micro = _micro_batches([B] * 8)
+    # Cycles of 2, 2, then 3; the last micro-batch is left pending.
+    expected = _reference([micro[0:2], micro[2:4], micro[4:7]])
+
+    def run(stop=None, restore=None):
+        model, opt = make_mlp(), accumulate(_adam(), n=_schedule, mode=mode)
+        step, _ = _traced_step(model, opt)
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+        start = 0
+        if restore:
+            ckpt.restore(restore).assert_consumed()
+            start = 5
+        for x, y in micro[start:stop]:
+            step(x, y, 1.0)
+        return model, opt, ckpt
+
+    model, opt, _ = run()
+    assert int(opt.iterations) == 3 and int(opt.micro_step) == 1
+    assert_states_close(expected, full_state(model, opt))
+    _, opt_half, ckpt = run(stop=5)
+    assert int(opt_half.iterations) == 2 and int(opt_half.micro_step) == 1
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    model2, opt2, _ = run(restore=path)
+    assert int(opt2.micro_step) == 1
+    assert_states_equal(full_state(model, opt), full_state(model2, opt2))
+
+
+def test_schedule_checkpoint_refuses_an_int_n(tmp_path):
+    model, opt = make_mlp(), accumulate(_adam(), n=_schedule)
+    x, y = make_data(B)
+    opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    model2, opt2 = make_mlp(), accumulate(_adam(), 2)
+    opt2.build(model2.trainable_variables)
+    with pytest.raises(ValueError, match="a schedule"):
+        tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path)
+
+
 # ----------------------------------------------------------------------
 # Weighted micro-batches
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loop", ["eager", "tf_function"])
 @pytest.mark.parametrize("entry", ["apply_gradients", "apply"])
-def test_ragged_micro_batches_weighted_by_size_equal_the_large_batch(loop, entry):
+def test_ragged_micro_batches_weighted_by_size_equal_the_large_batch(loop, entry, mode):
     sizes = [4, 4, 2, 3, 5, 1]  # two cycles of 3; ragged throughout
     micro = _micro_batches(sizes)
     expected = _reference([micro[0:3], micro[3:6]])
     model = make_mlp()
-    opt = accumulate(_adam(), 3)
+    opt = accumulate(_adam(), 3, mode=mode)
 
     def step(x, y, w):
         grads = _grads(model, x, y)
@@ -208,12 +257,13 @@ def test_weights_through_a_loss_scale_optimizer():
     assert_states_close(expected, full_state(model, opt.inner_optimizer))
 
 
-def test_weighted_checkpoint_mid_cycle_resumes_bit_identical(tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_weighted_checkpoint_mid_cycle_resumes_bit_identical(tmp_path, mode):
     sizes = [4, 2, 3, 1, 4, 2]
     micro = _micro_batches(sizes)
 
     def run(stop=None, restore=None):
-        model, opt = make_mlp(), accumulate(_adam(), 3)
+        model, opt = make_mlp(), accumulate(_adam(), 3, mode=mode)
         opt.build(model.trainable_variables)
         ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
         start = 0
@@ -250,11 +300,12 @@ def test_bad_weight(bad, error):
 # Flushing a partial cycle, will_apply
 
 
-def test_flush_applies_the_mean_of_what_was_accumulated():
+@pytest.mark.parametrize("mode", MODES)
+def test_flush_applies_the_mean_of_what_was_accumulated(mode):
     micro = _micro_batches([B] * 5)
     expected = _reference([micro[0:3], micro[3:5]])
     model = make_mlp()
-    opt = accumulate(_adam(), 3)
+    opt = accumulate(_adam(), 3, mode=mode)
     step, _ = _traced_step(model, opt)
     for x, y in micro:
         step(x, y, 1.0)
@@ -319,48 +370,106 @@ def test_will_apply_marks_the_apply_steps():
 _OPT = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("flush", [False, True])
-def test_weighted_ragged_micro_batches_under_mirrored_strategy(flush, mode):
-    """Each replica sees its own ragged micro-batch and passes its size.
+def _mirrored_run(make_opt, pairs, weighted, before_step=None):
+    """Trains on two replicas; `pairs[k]` holds micro-step k's (x, y) per replica.
 
     Each replica's loss is a Keras mean-reduced loss, which divides its local
-    mean by the replica count itself. Reference: one device, the
-    concatenation.
+    mean by the replica count itself; weighted, each replica passes its own
+    micro-batch size. `before_step(k, opt)` runs eagerly before micro-step k.
     """
     strategy = mirrored()
-    sizes = [(4, 2), (3, 3), (1, 4), (2, 2), (4, 1)]  # (replica 0, replica 1)
-    flat = _micro_batches([s for pair in sizes for s in pair])
-    pairs = [flat[2 * k : 2 * k + 2] for k in range(len(sizes))]
-    cycles = [pairs[0:3], pairs[3:5]] if flush else [pairs[0:3]]
-    expected = _reference([[m for pair in cycle for m in pair] for cycle in cycles], make_opt=_OPT)
-
     with strategy.scope():
         model = make_mlp()
-        opt = accumulate(_OPT(), 3, mode=mode)
+        opt = make_opt()
         opt.build(model.trainable_variables)
 
     def replica_step(x, y):
         with tf.GradientTape() as tape:
             loss = _loss(model, x, y)
         grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(
-            zip(grads, model.trainable_variables), weight=tf.cast(tf.shape(x)[0], tf.float32)
-        )
+        kwargs = {"weight": tf.cast(tf.shape(x)[0], tf.float32)} if weighted else {}
+        opt.apply_gradients(zip(grads, model.trainable_variables), **kwargs)
+
+    traces = []
 
     @tf.function
     def step(x, y):
+        traces.append(1)
         strategy.run(replica_step, args=(x, y))
 
-    steps = 5 if flush else 3
-    for pair in pairs[:steps]:
-        def value(ctx, i):
-            return pair[ctx.replica_id_in_sync_group][i]
-
-        x = strategy.experimental_distribute_values_from_function(lambda c: value(c, 0))
-        y = strategy.experimental_distribute_values_from_function(lambda c: value(c, 1))
+    for k, pair in enumerate(pairs):
+        if before_step is not None:
+            before_step(k, opt)
+        x, y = (
+            strategy.experimental_distribute_values_from_function(
+                lambda ctx, i=i, pair=pair: pair[ctx.replica_id_in_sync_group][i]
+            )
+            for i in (0, 1)
+        )
         step(x, y)
+    return model, opt, len(traces)
+
+
+def _replica_pairs(sizes):
+    """Micro-batches of the given (replica 0, replica 1) sizes, in order."""
+    flat = _micro_batches([s for pair in sizes for s in pair])
+    return [flat[2 * k : 2 * k + 2] for k in range(len(sizes))]
+
+
+def _concatenated(cycles):
+    return [[m for pair in cycle for m in pair] for cycle in cycles]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("flush", [False, True])
+def test_weighted_ragged_micro_batches_under_mirrored_strategy(flush, mode):
+    """Each replica sees its own ragged micro-batch and passes its size.
+
+    Reference: one device, the concatenation.
+    """
+    pairs = _replica_pairs([(4, 2), (3, 3), (1, 4), (2, 2), (4, 1)])
+    cycles = [pairs[0:3], pairs[3:5]] if flush else [pairs[0:3]]
+    expected = _reference(_concatenated(cycles), make_opt=_OPT)
+    steps = 5 if flush else 3
+    model, opt, _ = _mirrored_run(
+        lambda: accumulate(_OPT(), 3, mode=mode), pairs[:steps], weighted=True
+    )
     if flush:
         opt.flush()
     assert int(opt.micro_step) == 0
+    assert_states_close(expected, full_state(model, opt))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_schedule_for_n_under_mirrored_strategy(weighted, mode):
+    """n = 2 for the first update, then 3, read on every replica alike."""
+    sizes = [(B, B)] * 8 if not weighted else [(4, 2), (3, 3), (1, 4), (2, 2), (4, 1), (3, 2), (2, 4), (1, 1)]
+    pairs = _replica_pairs(sizes)
+    expected = _reference(_concatenated([pairs[0:2], pairs[2:5], pairs[5:8]]), make_opt=_OPT)
+    model, opt, traces = _mirrored_run(
+        lambda: accumulate(_OPT(), n=lambda step: tf.where(step < 1, 2, 3), mode=mode),
+        pairs,
+        weighted=weighted,
+    )
+    if not weighted:  # ragged micro-batches retrace per shape
+        assert traces == 1
+    assert int(opt.iterations.numpy()) == 3 and int(opt.micro_step) == 0
+    assert_states_close(expected, full_state(model, opt))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_setting_n_between_cycles_under_mirrored_strategy(mode):
+    pairs = _replica_pairs([(B, B)] * 7)
+    expected = _reference(_concatenated([pairs[0:3], pairs[3:5], pairs[5:7]]), make_opt=_OPT)
+
+    def before_step(k, opt):
+        if k == 3:
+            opt.n = 2
+
+    model, opt, traces = _mirrored_run(
+        lambda: accumulate(_OPT(), 3, mode=mode), pairs, weighted=False, before_step=before_step
+    )
+    assert traces == 1 and opt.n == 2
+    assert int(opt.iterations.numpy()) == 3 and int(opt.micro_step) == 0
     assert_states_close(expected, full_state(model, opt))
