@@ -225,6 +225,9 @@ class Case:
     # sizes; then each micro-batch is passed with `weight=` its size, and the
     # weighted mean equals the large batch even for ragged micro-batches.
     sizes: tuple[int, ...] | None = None
+    # `accumulate(..., mode=)`: "masked" (the update runs every micro-step,
+    # masked) or "skip" (it runs on apply steps only).
+    update: str = "masked"
 
     @property
     def micro_steps(self) -> int:
@@ -465,11 +468,12 @@ def make_plain(case: Case) -> Any:
 def make_subject(case: Case) -> Any:
     """The accumulating optimizer for the case (see `Case.loss_scale`)."""
     inner = case.optimizer.make()
+    kwargs = {"reduction": case.reduction, "mode": case.update}
     if case.loss_scale == "accumulate_lso":
-        return accumulate(LSO(inner), case.n, reduction=case.reduction)
+        return accumulate(LSO(inner), case.n, **kwargs)
     if case.loss_scale == "lso_accumulate":
-        return LSO(accumulate(inner, case.n, reduction=case.reduction))
-    return accumulate(inner, case.n, reduction=case.reduction)
+        return LSO(accumulate(inner, case.n, **kwargs))
+    return accumulate(inner, case.n, **kwargs)
 
 
 def accumulating(opt: Any) -> Any:

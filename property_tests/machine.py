@@ -17,7 +17,9 @@ same float32 operations in the same order, so after every rule the
 accumulating optimizer's variables, optimizer state and accumulators must
 equal the model's bit for bit (`np.array_equal`).
 
-Not modelled: `n` given as a schedule (a callable); setting `n` is.
+`n` is an int (which the rules may set) or a schedule: a drawn table of
+`n` per applied update, its last entry repeated, passed as a callable of
+`iterations` written with TensorFlow ops.
 """
 
 from __future__ import annotations
@@ -46,6 +48,20 @@ VARIABLES = (("kernel", (3, 2)), ("bias", (2,)), ("table", (6, 2)))
 SPARSE = 2
 # Loss-scaled gradients are scaled by a power of two, so unscaling is exact.
 WRAPS = ("none", "accumulate_lso", "lso_accumulate")
+# `n`: an int, or a schedule given as the table of n for updates 0, 1, ...
+NS = st.one_of(
+    st.integers(1, 4),
+    st.lists(st.integers(1, 4), min_size=2, max_size=4).map(tuple),
+)
+
+
+def _n_argument(n: int | tuple[int, ...]) -> Any:
+    """What `accumulate` is given for a drawn `n`."""
+    if isinstance(n, int):
+        return n
+    table = tf.constant(n, tf.int64)
+    last = len(n) - 1
+    return lambda step: tf.gather(table, tf.minimum(tf.cast(step, tf.int64), last))
 
 
 def _initial_values() -> list[np.ndarray]:
@@ -58,7 +74,7 @@ class _Model:
 
     def __init__(self, n: int, reduction: str, scale: float | None, growth: int,
                  min_scale: float = 0.0):
-        self.n, self.reduction = n, reduction
+        self.n, self.reduction = n, reduction  # n: an int or a schedule table
         self.min_scale = min_scale
         self.sums = [np.zeros(shape, np.float32) for _, shape in VARIABLES]
         self.total = np.float32(0.0)  # sum of the cycle's micro-batch weights
@@ -75,8 +91,14 @@ class _Model:
         other.good_steps = self.good_steps
         return other
 
+    def current_n(self) -> int:
+        """`n` for the current cycle (a schedule reads `iterations`)."""
+        if isinstance(self.n, int):
+            return self.n
+        return self.n[min(self.applied, len(self.n) - 1)]
+
     def passes_through(self, weight: float | None) -> bool:
-        """n=1, unweighted, nothing accumulated ever: the plain optimizer."""
+        """An int n=1, unweighted, nothing accumulated ever: the plain optimizer."""
         return self.n == 1 and weight is None and not self.seen
 
     def add(self, grads, weight: float | None) -> None:
@@ -177,23 +199,23 @@ class MachineBase(RuleBasedStateMachine):
     def _subject(self):
         """(top-level optimizer, the Keras optimizer inside) for the config."""
         inner = self.spec.make()
+        kwargs = {"reduction": self.reduction, "mode": self.update}
         if self.wrap == "none":
-            top = accumulate(inner, self.n, reduction=self.reduction)
+            top = accumulate(inner, self.n, **kwargs)
         elif self.wrap == "accumulate_lso":
             top = accumulate(
-                self._make_lso(inner, self.initial_scale, self.growth),
-                self.n, reduction=self.reduction,
+                self._make_lso(inner, self.initial_scale, self.growth), self.n, **kwargs
             )
         else:
             top = self._make_lso(
-                accumulate(inner, self.n, reduction=self.reduction),
-                self.initial_scale, self.growth,
+                accumulate(inner, self.n, **kwargs), self.initial_scale, self.growth
             )
         self._build(top, self.vars)
         return top, inner
 
-    def _start(self, spec, n, reduction, wrap, scale_exponent, growth):
-        self.spec, self.n, self.reduction, self.wrap = spec, n, reduction, wrap
+    def _start(self, spec, n, reduction, wrap, scale_exponent, growth, update="masked"):
+        self.spec, self.reduction, self.wrap, self.update = spec, reduction, wrap, update
+        self.n = _n_argument(n)
         self.initial_scale = float(2**scale_exponent)
         self.growth = growth
         initial = _initial_values()
@@ -303,7 +325,7 @@ class MachineBase(RuleBasedStateMachine):
         model.add(grads, weight)
         # A cycle ends at the first micro-step holding at least n batches
         # (more than n only if `n` was lowered mid-cycle).
-        if model.count >= model.n:
+        if model.count >= model.current_n():
             self._apply_cycle()
 
     def _apply_cycle(self) -> None:
@@ -320,6 +342,7 @@ class MachineBase(RuleBasedStateMachine):
         if self.model.count > 0:
             self._apply_cycle()
 
+    @precondition(lambda self: isinstance(self.model.n, int))
     @rule(n=st.integers(1, 4))
     def set_n(self, n):
         """`opt.n = k`, at a boundary or mid-cycle (see `n`'s docstring)."""
@@ -350,7 +373,7 @@ class MachineBase(RuleBasedStateMachine):
     def restore_into_fresh_objects(self, checkpoint):
         """Restores a checkpoint into new variables and a new optimizer."""
         path, model, (shadow_vars, shadow_opt) = checkpoint
-        self.n = model.n  # a checkpoint only restores into the same `n`
+        self.n = _n_argument(model.n)  # a checkpoint restores into the same `n` only
         self.vars = self._variables([np.zeros(s, np.float32) for _, s in VARIABLES])
         self.opt, self.inner = self._subject()
         status = tf.train.Checkpoint(vars=self.vars, optimizer=self.opt).read(path)

@@ -234,4 +234,5 @@ def cases(
         build_first=draw(st.booleans()),
         loss_scale=loss_scale,
         sizes=sizes,
+        update=draw(st.sampled_from(["masked", "skip"])),
     )

@@ -20,7 +20,7 @@ from property_tests.harness import (
     optimizer_state,
     scaled,
 )
-from property_tests.machine import WRAPS, MachineBase
+from property_tests.machine import NS, WRAPS, MachineBase
 from property_tests.strategies import optimizers
 
 
@@ -30,14 +30,15 @@ class AccumulationMachine(MachineBase):
 
     @initialize(
         spec=optimizers(),
-        n=st.integers(1, 4),
+        n=NS,
         reduction=st.sampled_from(["mean", "sum"]),
         wrap=st.sampled_from(WRAPS),
         scale_exponent=st.integers(0, 15),
         growth=st.integers(1, 4),
+        update=st.sampled_from(["masked", "skip"]),
     )
-    def start(self, spec, n, reduction, wrap, scale_exponent, growth):
-        self._start(spec, n, reduction, wrap, scale_exponent, growth)
+    def start(self, spec, n, reduction, wrap, scale_exponent, growth, update):
+        self._start(spec, n, reduction, wrap, scale_exponent, growth, update)
 
     def _variable(self, value: np.ndarray, name: str) -> Any:
         return keras.Variable(value, name=name)
@@ -73,7 +74,7 @@ def _replay(steps):
     state = AccumulationMachine()
     try:
         state.start(spec=_ADAFACTOR, n=2, reduction="mean", wrap="none",
-                    scale_exponent=0, growth=1)
+                    scale_exponent=0, growth=1, update="masked")
         state.matches_the_model_bit_for_bit()
         saved = None
         for step in steps:

@@ -24,7 +24,7 @@ from hypothesis.stateful import initialize
 
 from gradaccum import accumulate
 from property_tests.harness import scaled
-from property_tests.machine import WRAPS, MachineBase
+from property_tests.machine import NS, WRAPS, MachineBase
 from property_tests.strategies import (
     TF_KERAS_FAMILIES,
     TF_KERAS_LEGACY_FAMILIES,
@@ -57,14 +57,15 @@ class TfKerasAccumulationMachine(MachineBase):
 
     @initialize(
         spec=tf_keras_optimizers,
-        n=st.integers(1, 4),
+        n=NS,
         reduction=st.sampled_from(["mean", "sum"]),
         wrap=st.sampled_from(WRAPS),
         scale_exponent=st.integers(0, 15),
         growth=st.integers(1, 4),
+        update=st.sampled_from(["masked", "skip"]),
     )
-    def start(self, spec, n, reduction, wrap, scale_exponent, growth):
-        self._start(spec, n, reduction, wrap, scale_exponent, growth)
+    def start(self, spec, n, reduction, wrap, scale_exponent, growth, update):
+        self._start(spec, n, reduction, wrap, scale_exponent, growth, update)
 
     def _variable(self, value: np.ndarray, name: str) -> Any:
         return tf.Variable(value, name=name)
@@ -76,7 +77,7 @@ class TfKerasAccumulationMachine(MachineBase):
         # first `apply_gradients`, it would know only the variables that had
         # gradients then (see the known-bug test below).
         inner = self.spec.make()
-        core = accumulate(inner, self.n, reduction=self.reduction)
+        core = accumulate(inner, self.n, reduction=self.reduction, mode=self.update)
         core.build(self.vars)
         top = self._make_lso(core, self.initial_scale, self.growth)
         self._build(top, self.vars)
