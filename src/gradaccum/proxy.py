@@ -272,6 +272,18 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         `ValueError`, so build such an optimizer with all variables first
         (`opt.build(model.trainable_variables)`).
 
+        Checkpoints hold the accumulators by position, in the order the
+        optimizer met the variables: those of the first `build` (or first
+        `apply_gradients`), then each one added later. Restore a checkpoint
+        into an optimizer that holds the same variables in that order: built
+        with them before the restore, or unbuilt, if its first step after the
+        restore meets them all (it then builds in that order and the
+        deferred values land). A step that would end the cycle while restored
+        sums wait for variables not met yet raises `ValueError` (a traced one
+        raises whenever it cannot add them). An optimizer built with all
+        variables before its first step, as above, always restores into one
+        built the same way.
+
         Args:
             variables: The trainable variables the optimizer will update.
         """
@@ -533,6 +545,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             return
         self._refresh_seen()
         state = self._self_state
+        self._check_unmet(lambda: state.micro_step.read_value() + 1 >= self._current_n())
         self._accumulate(grads, indices, weight)
         count = state.micro_step.read_value() + 1
         self._finish_cycle_if(count >= self._current_n(), count)
@@ -564,6 +577,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
 
     def _flush_here(self) -> None:
         count = self._self_state.micro_step.read_value()
+        self._check_unmet(lambda: count > 0)
         self._finish_cycle_if(count > 0, count)
 
     def _refresh_seen(self) -> None:
@@ -621,7 +635,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         """Runs the update (masked or skipped); on `keep_new`, keeps it and clears the cycle."""
         adapter = self._self_adapter
         state = self._self_state
-        included = sorted(self._self_seen)
+        included = sorted(i for i in self._self_seen if i < len(state.accumulators))
         self._check_left_out(keep_new, included)
         accumulated = _read_after_writes([state.accumulators[i] for i in included])
         variables = [self._self_variables[i] for i in included]
@@ -659,6 +673,31 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             after=[adapter.model_variable(v) for v in variables],
         )
         state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
+
+    def _check_unmet(self, ends_cycle: Callable[[], tf.Tensor]) -> None:
+        """Refuses to end a cycle without restored sums it cannot hold yet.
+
+        A checkpoint of an optimizer that grew (see `build`) may hold
+        accumulators for variables that an optimizer restored from it has
+        not met yet: their restore waits until they are added, and an update
+        before then would leave their accumulated gradients out. Raises
+        eagerly if `ends_cycle()`; while tracing, always (a traced step that
+        has not met them never will, and an assertion in the graph would not
+        stop the step's writes).
+        """
+        unmet = sorted(i for i in self._self_seen if i >= len(self._self_variables))
+        if not unmet:
+            return
+        message = (
+            "The restored accumulation state holds gradients for "
+            f"variables at positions {unmet}, which this optimizer has not "
+            f"met yet (it holds {len(self._self_variables)}); an update now "
+            "would leave them out. Build the optimizer with all variables, in "
+            "the order the saved one met them, before its first step after "
+            "the restore: `opt.build(model.trainable_variables)`."
+        )
+        if not tf.executing_eagerly() or bool(ends_cycle()):
+            raise ValueError(message)
 
     def _check_left_out(self, keep_new: tf.Tensor, included: list[int]) -> None:
         """Refuses to drop gradients a traced step cannot see.

@@ -372,3 +372,84 @@ def test_growing_on_a_later_trace_of_a_tf_function_is_refused():
         step(*_grow_grads(k))
     acc = _grow_state(variables, opt)
     assert_states_equal(_grow_reference(GROW_LEGACY["adam"]), acc)
+
+
+# Saved after this micro-step: mid-cycle, after `b` was added, with both
+# accumulators holding gradients.
+GROW_SAVE_AFTER = 4
+
+
+def _grown_checkpoint(tmp_path, make):
+    variables = _grow_variables()
+    opt = LSO(accumulate(make(), GROW_N))
+    for k in range(GROW_SAVE_AFTER + 1):
+        _grow_step(opt, variables, k)
+    core = opt.inner_optimizer
+    assert int(core.micro_step) == 1
+    checkpoint = tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    return path, [a.numpy() for a in core._self_state.accumulators]
+
+
+@pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
+@pytest.mark.parametrize("built", [True, False], ids=["built", "grows_again"])
+def test_checkpoint_of_a_grown_accumulating_optimizer_resumes_the_cycle(
+    tmp_path, kind, built
+):
+    """Restored into an optimizer built with all variables (in the order the
+    saved one met them), or into an unbuilt one whose next step meets them
+    in that order, the cycle resumes as if never interrupted."""
+    make = GROW_LEGACY[kind]
+    path, _ = _grown_checkpoint(tmp_path, make)
+    variables = _grow_variables()
+    core = accumulate(make(), GROW_N)
+    if built:
+        core.build(variables)
+    opt = LSO(core)
+    status = tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
+    # Unbuilt, the first step after the restore builds the optimizer for
+    # both variables ("ab"), and the deferred values land then.
+    assert GROW_PATTERNS[GROW_SAVE_AFTER + 1] == "ab"
+    for k in range(GROW_SAVE_AFTER + 1, len(GROW_PATTERNS)):
+        _grow_step(opt, variables, k)
+    status.assert_consumed()
+    acc = _grow_state(variables, opt)
+    assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
+    assert_states_equal(_grow_reference(make), acc)
+
+
+def test_restore_into_an_optimizer_that_has_not_met_a_saved_variable_is_refused(
+    tmp_path,
+):
+    """Its accumulated gradients would be left out of the update."""
+    make = GROW_LEGACY["adam"]
+    path, saved = _grown_checkpoint(tmp_path, make)
+    assert all(np.any(a) for a in saved)
+    variables = _grow_variables()
+    opt = LSO(accumulate(make(), GROW_N))
+    tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
+    before = [v.numpy() for v in variables]
+    with pytest.raises(ValueError, match=r"not met yet.*opt\.build"):
+        opt.apply_gradients([(tf.ones((2,)), variables[0])])
+    # Refused before anything was added or applied.
+    assert int(opt.inner_optimizer.micro_step) == 1
+    state = opt.inner_optimizer._self_state
+    np.testing.assert_array_equal(state.accumulators[0].numpy(), saved[0])
+    for v, value in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), value)
+
+
+def test_traced_step_that_has_not_met_a_restored_variable_is_refused(tmp_path):
+    path, saved = _grown_checkpoint(tmp_path, GROW_LEGACY["adam"])
+    variables = _grow_variables()
+    opt = LSO(accumulate(GROW_LEGACY["adam"](), GROW_N))
+    tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
+    before = [v.numpy() for v in variables]
+    with pytest.raises(ValueError, match="not met yet"):
+        _traced_grow_step(opt, variables)(tf.ones((2,)), None)
+    # Refused while tracing: nothing ran.
+    assert int(opt.inner_optimizer.micro_step) == 1
+    state = opt.inner_optimizer._self_state
+    np.testing.assert_array_equal(state.accumulators[0].numpy(), saved[0])
+    for v, value in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), value)
