@@ -325,7 +325,8 @@ def test_loss_scale_optimizer_around_an_unbuilt_accumulating_optimizer(kind, mod
             # In-between micro-step: nothing the optimizer had moves, and the
             # slots it adds for a new variable stay as created.
             assert_states_equal(before, {key: after[key] for key in before})
-            slots = [k for k in after if k not in before and k.startswith(("opt/a/", "opt/b/"))]
+            added = [k for k in after if k not in before]
+            slots = [k for k in added if k.startswith(("opt/a/", "opt/b/"))]
             assert all(not np.any(after[key]) for key in slots)
     assert [v.name for v in core._self_variables] == ["a:0", "b:0"]
     assert [tuple(a.shape) for a in core._self_state.accumulators] == [(2,), (3,)]
@@ -406,7 +407,8 @@ def test_checkpoint_of_a_grown_accumulating_optimizer_resumes_the_cycle(
     if built:
         core.build(variables)
     opt = LSO(core)
-    status = tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
+    checkpoint = tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt)
+    status = checkpoint.restore(path)
     # Unbuilt, the first step after the restore builds the optimizer for
     # both variables ("ab"), and the deferred values land then.
     assert GROW_PATTERNS[GROW_SAVE_AFTER + 1] == "ab"
