@@ -34,6 +34,11 @@ class _Keras3Optimizer:
     # for optimizers that write through fused kernels on raw variable
     # handles leave this False.
     masks_writes = True
+    # Whether the optimizer creates its per-variable state lazily, so that a
+    # gradient for a variable it was not built for extends the accumulation
+    # state (`grow`) instead of being refused. A Keras 3 optimizer is built
+    # for a fixed set of variables.
+    grows = False
 
     def __init__(self, optimizer: keras.optimizers.Optimizer):
         self.optimizer = optimizer

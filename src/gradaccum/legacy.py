@@ -81,6 +81,9 @@ def _variable_name(variable: Any) -> str:
 class _TfKerasAdapter:
     """What both `tf_keras` optimizer families share."""
 
+    # See `_Keras3Optimizer.grows`.
+    grows = False
+
     def __init__(self, optimizer: Any):
         self.optimizer = optimizer
         # The variables this adapter has built the optimizer for, in order.
@@ -236,15 +239,31 @@ class _TfKerasOptimizerV2(_TfKerasAdapter):
 
     family = "tf_keras legacy"
     _base = _OptimizerV2
+    # An OptimizerV2 creates slots for each variable on its first gradient,
+    # and a tf_keras loss-scale optimizer around the proxy (what `compile`
+    # builds under `mixed_float16`) drops `None` gradients before calling it:
+    # the first call may name only some of the variables.
+    grows = True
 
     def build(self, variables: Sequence[Any]) -> None:
-        opt = self.optimizer
         variables = list(variables)
+        self._create_weights(variables)
+        self._variables = variables
+
+    def grow(self, variables: Sequence[Any]) -> None:
+        """Builds the optimizer for more variables, after those it has."""
+        variables = list(variables)
+        self._create_weights(variables)
+        self._variables = list(self._variables or []) + variables
+
+    def _create_weights(self, variables: list[Any]) -> None:
+        opt = self.optimizer
         # As `apply_gradients` does: creates `iterations`, the
-        # hyperparameter variables and any missing slots.
+        # hyperparameter variables and any missing slots. Created here, not
+        # on the update, the slots are among the state the masked update
+        # restores on in-between micro-steps.
         with tf.name_scope(opt._name), tf.init_scope():
             opt._create_all_weights(variables)
-        self._variables = variables
 
     def var_key(self, variable: Any) -> Any:
         return optimizer_v2._var_key(variable)

@@ -259,6 +259,31 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
     def build(self, variables: Sequence[Any]) -> None:
         """Builds the wrapped optimizer (if needed) and the accumulators.
 
+        Without a call of `build`, the first `apply_gradients` builds the
+        optimizer for the variables it names. A Keras 3 or tf_keras 2.11+
+        optimizer then refuses gradients for other variables. A tf_keras
+        OptimizerV2 (`tf_keras.optimizers.legacy`) creates its state per
+        variable lazily, and so does the proxy around it: a gradient for a
+        variable met later (one that a loss-scale optimizer left out of an
+        earlier call because its gradient was `None`) adds that variable's
+        slots and accumulator then, and calling `build` again with more
+        variables adds those. Growing works eagerly and on the first trace
+        of a `tf.function`; a later trace cannot create variables and raises
+        `ValueError`, so build such an optimizer with all variables first
+        (`opt.build(model.trainable_variables)`).
+
+        Checkpoints hold the accumulators by position, in the order the
+        optimizer met the variables: those of the first `build` (or first
+        `apply_gradients`), then each one added later. Restore a checkpoint
+        into an optimizer that holds the same variables in that order: built
+        with them before the restore, or unbuilt, if its first step after the
+        restore meets them all (it then builds in that order and the
+        deferred values land). A step that would end the cycle while restored
+        sums wait for variables not met yet raises `ValueError` (a traced one
+        raises whenever it cannot add them). An optimizer built with all
+        variables before its first step, as above, always restores into one
+        built the same way.
+
         Args:
             variables: The trainable variables the optimizer will update.
         """
@@ -273,18 +298,13 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             adapter.build(variables)
         if self._self_state is None:
             self._build_state(adapter.trainable_variables())
+        elif getattr(adapter, "grows", False):
+            self._indices_of(list(variables))  # adds those not met yet
 
     def _build_state(self, variables: list[Any]) -> None:
         adapter = self._self_adapter
         with _creation_scope(adapter.strategy()):
-            accumulators = [
-                _replica_local(
-                    tf.zeros(v.shape, dtype=_accumulator_dtype(v)),
-                    name="accumulator",
-                    colocate_with=adapter.model_variable(v),
-                )
-                for v in variables
-            ]
+            accumulators = self._new_accumulators(variables)
             micro_step = _mirrored_counter(0, name="micro_step")
             weight_total = _replica_local(tf.constant(0.0), name="weight_total")
             if self._self_schedule is None:
@@ -301,12 +321,28 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         )
         self._restore_deferred_state()
 
+    def _new_accumulators(self, variables: Sequence[Any]) -> list[tf.Variable]:
+        """One zero accumulator per variable (inside `_creation_scope`)."""
+        adapter = self._self_adapter
+        return [
+            _replica_local(
+                tf.zeros(v.shape, dtype=_accumulator_dtype(v)),
+                name="accumulator",
+                colocate_with=adapter.model_variable(v),
+            )
+            for v in variables
+        ]
+
     def _indices_of(self, variables: Sequence[Any]) -> list[int]:
         var_key = self._self_adapter.var_key
-        indices = []
+        new: dict[Any, Any] = {}
         for v in variables:
-            i = self._self_index.get(var_key(v))
-            if i is None:
+            key = var_key(v)
+            if key not in self._self_index:
+                new.setdefault(key, v)
+        if new:
+            if not getattr(self._self_adapter, "grows", False):
+                v = next(iter(new.values()))
                 name = getattr(v, "path", None) or getattr(v, "name", repr(v))
                 raise ValueError(
                     f"Received a gradient for variable {name!r}, which this "
@@ -315,8 +351,43 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                     f"{[getattr(u, 'path', u.name) for u in self._self_variables]}."
                     " Build a new optimizer for a new set of variables."
                 )
-            indices.append(i)
-        return indices
+            self._grow(list(new.values()))
+        return [self._self_index[var_key(v)] for v in variables]
+
+    def _grow(self, variables: list[Any]) -> None:
+        """Extends the state to variables met after `build`.
+
+        For optimizers that create their per-variable state lazily (a tf_keras
+        OptimizerV2, which a loss-scale optimizer may first call with only the
+        variables that have gradients): their slots and accumulators are
+        created as `build` creates them, and the variables are appended to the
+        built ones, so existing indices (and checkpoint positions) stay.
+        """
+        adapter = self._self_adapter
+        traced = not tf.executing_eagerly()
+        try:
+            with _creation_scope(adapter.strategy()):
+                accumulators = self._new_accumulators(variables)
+            adapter.grow(variables)  # last: nothing is recorded if a creation fails
+        except ValueError as error:
+            if not traced:
+                raise
+            names = [getattr(v, "name", repr(v)) for v in variables]
+            raise ValueError(
+                f"Received gradients for variables {names}, which this "
+                "optimizer was not built for, inside a `tf.function` that "
+                "cannot create their accumulation state (a `tf.function` "
+                "creates variables on its first trace only). Build the "
+                "optimizer with all variables before the first step: "
+                "`opt.build(model.trainable_variables)`."
+            ) from error
+        start = len(self._self_variables)
+        for i, v in enumerate(variables):
+            self._self_index[adapter.var_key(v)] = start + i
+        self._self_variables.extend(variables)
+        # Appended to the tracked list: checkpointed as the next positions,
+        # and restored there from a checkpoint read before they existed.
+        self._self_state.accumulators.extend(accumulators)
 
     # ------------------------------------------------------------------
     # Applying.
@@ -407,9 +478,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
 
         Raises:
             TypeError: If `weight` is not a number or scalar tensor.
-            ValueError: If a variable is not one the optimizer was built for,
-                if `grads` does not match the built variables, if every
-                gradient is `None`, or if `weight` is negative or not finite.
+            ValueError: If a variable is not one the optimizer was built for
+                (and cannot be added to it, see `build`), if `grads` does not
+                match the built variables, if every gradient is `None`, or if
+                `weight` is negative or not finite.
         """
         if self._self_core is not self:
             return self._through_wrapper(
@@ -472,8 +544,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             )
             return
         self._refresh_seen()
-        self._accumulate(grads, indices, weight)
         state = self._self_state
+        self._check_unmet(lambda: state.micro_step.read_value() + 1 >= self._current_n())
+        self._accumulate(grads, indices, weight)
         count = state.micro_step.read_value() + 1
         self._finish_cycle_if(count >= self._current_n(), count)
 
@@ -504,6 +577,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
 
     def _flush_here(self) -> None:
         count = self._self_state.micro_step.read_value()
+        self._check_unmet(lambda: count > 0)
         self._finish_cycle_if(count > 0, count)
 
     def _refresh_seen(self) -> None:
@@ -561,7 +635,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         """Runs the update (masked or skipped); on `keep_new`, keeps it and clears the cycle."""
         adapter = self._self_adapter
         state = self._self_state
-        included = sorted(self._self_seen)
+        included = sorted(i for i in self._self_seen if i < len(state.accumulators))
         self._check_left_out(keep_new, included)
         accumulated = _read_after_writes([state.accumulators[i] for i in included])
         variables = [self._self_variables[i] for i in included]
@@ -599,6 +673,31 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             after=[adapter.model_variable(v) for v in variables],
         )
         state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
+
+    def _check_unmet(self, ends_cycle: Callable[[], tf.Tensor]) -> None:
+        """Refuses to end a cycle without restored sums it cannot hold yet.
+
+        A checkpoint of an optimizer that grew (see `build`) may hold
+        accumulators for variables that an optimizer restored from it has
+        not met yet: their restore waits until they are added, and an update
+        before then would leave their accumulated gradients out. Raises
+        eagerly if `ends_cycle()`; while tracing, always (a traced step that
+        has not met them never will, and an assertion in the graph would not
+        stop the step's writes).
+        """
+        unmet = sorted(i for i in self._self_seen if i >= len(self._self_variables))
+        if not unmet:
+            return
+        message = (
+            "The restored accumulation state holds gradients for "
+            f"variables at positions {unmet}, which this optimizer has not "
+            f"met yet (it holds {len(self._self_variables)}); an update now "
+            "would leave them out. Build the optimizer with all variables, in "
+            "the order the saved one met them, before its first step after "
+            "the restore: `opt.build(model.trainable_variables)`."
+        )
+        if not tf.executing_eagerly() or bool(ends_cycle()):
+            raise ValueError(message)
 
     def _check_left_out(self, keep_new: tf.Tensor, included: list[int]) -> None:
         """Refuses to drop gradients a traced step cannot see.

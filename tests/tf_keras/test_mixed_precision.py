@@ -1,6 +1,7 @@
 """tf_keras LossScaleOptimizer, around either optimizer family, both orders."""
 
 import contextlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -236,3 +237,221 @@ def test_proxy_is_still_the_loss_scale_optimizer(kind):
         accumulate(lso, 2)
     with pytest.raises(ValueError, match="accumulate twice"):
         accumulate(LSO(accumulate(KINDS[kind](), 2)), 2)
+
+
+# ----------------------------------------------------------------------
+# `LSO(accumulate(legacy_opt))` built lazily: the loss-scale optimizer drops
+# `None` gradients, so the accumulating OptimizerV2 first meets only the
+# variables that have gradients, and grows when others get theirs.
+
+GROW_N = 2
+# The reference, the plain loss-scale optimizer fed each cycle's mean
+# gradient (the sum of the given micro-gradients over `n`), adds the same
+# float32 values: states agree bit for bit.
+# Micro-gradient patterns, two micro-steps per cycle: "a" and "b" have a
+# gradient, "-" has None. `b` is first met on an in-between micro-step.
+GROW_PATTERNS = ["a-", "a-", "-b", "ab", "ab", "ab", "a-", "-b"]
+GROW_LEGACY = {
+    "sgd": lambda: tf_keras.optimizers.legacy.SGD(0.1),
+    "adam": lambda: tf_keras.optimizers.legacy.Adam(0.1),
+}
+
+
+def _grow_variables():
+    # Different shapes: accumulators mixed up between variables cannot pass.
+    return [
+        tf.Variable(np.array([1.0, -2.0], np.float32), name="a"),
+        tf.Variable(np.array([0.5, 3.0, -1.0], np.float32), name="b"),
+    ]
+
+
+def _grow_grads(k):
+    """Micro-step `k`'s gradients, `None` where its pattern says so."""
+    rng = np.random.default_rng(k)
+    pattern = GROW_PATTERNS[k]
+    shapes = [(2,), (3,)]
+    return [
+        tf.constant(rng.normal(size=shape).astype(np.float32)) if c != "-" else None
+        for c, shape in zip(pattern, shapes)
+    ]
+
+
+def _grow_state(variables, opt):
+    return full_state(SimpleNamespace(weights=variables), opt)
+
+
+def _grow_reference(make):
+    """The plain loss-scale optimizer fed every cycle's mean gradient."""
+    variables, opt = _grow_variables(), LSO(make())
+    for start in range(0, len(GROW_PATTERNS), GROW_N):
+        cycle = [_grow_grads(k) for k in range(start, start + GROW_N)]
+        mean = []
+        for per_variable in zip(*cycle):
+            given = [g for g in per_variable if g is not None]
+            mean.append(None if not given else tf.add_n(given) / GROW_N)
+        opt.apply_gradients(zip(mean, variables))
+    return _grow_state(variables, opt)
+
+
+def _grow_step(opt, variables, k):
+    opt.apply_gradients(zip(_grow_grads(k), variables))
+
+
+def _traced_grow_step(opt, variables):
+    @tf.function
+    def step(*grads):
+        opt.apply_gradients(zip(grads, variables))
+
+    return step
+
+
+@pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
+@pytest.mark.parametrize("mode", ["masked", "skip"])
+def test_loss_scale_optimizer_around_an_unbuilt_accumulating_optimizer(kind, mode):
+    """`LSO(accumulate(legacy_opt))`, as tf_keras's `compile` builds it under
+    `mixed_float16`, when the first micro-batches give a variable no gradient:
+    the accumulating optimizer adds that variable when its first gradient
+    comes, and trains as the plain one does on the cycles' mean gradients.
+    """
+    make = GROW_LEGACY[kind]
+    variables = _grow_variables()
+    opt = LSO(accumulate(make(), GROW_N, mode=mode))
+    core = opt.inner_optimizer
+    for k in range(len(GROW_PATTERNS)):
+        before = _grow_state(variables, opt)
+        _grow_step(opt, variables, k)
+        after = _grow_state(variables, opt)
+        if (k + 1) % GROW_N:
+            # In-between micro-step: nothing the optimizer had moves, and the
+            # slots it adds for a new variable stay as created.
+            assert_states_equal(before, {key: after[key] for key in before})
+            added = [k for k in after if k not in before]
+            slots = [k for k in added if k.startswith(("opt/a/", "opt/b/"))]
+            assert all(not np.any(after[key]) for key in slots)
+    assert [v.name for v in core._self_variables] == ["a:0", "b:0"]
+    assert [tuple(a.shape) for a in core._self_state.accumulators] == [(2,), (3,)]
+    acc = _grow_state(variables, opt)
+    assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
+    assert_states_equal(_grow_reference(make), acc)
+
+
+@pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
+def test_growing_on_the_first_trace_of_a_tf_function(kind):
+    """A `tf.function` may add variables on its first trace (one function
+    per gradient pattern here, as one per task in multi-task training)."""
+    make = GROW_LEGACY[kind]
+    variables = _grow_variables()
+    opt = LSO(accumulate(make(), GROW_N))
+    steps = {}
+    for k, pattern in enumerate(GROW_PATTERNS):
+        if pattern not in steps:
+            steps[pattern] = _traced_grow_step(opt, variables)
+        steps[pattern](*_grow_grads(k))
+    assert len(steps) == 3
+    acc = _grow_state(variables, opt)
+    assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
+    assert_states_equal(_grow_reference(make), acc)
+
+
+def test_growing_on_a_later_trace_of_a_tf_function_is_refused():
+    """A retrace cannot create variables: the error says to build first."""
+    variables = _grow_variables()
+    opt = LSO(accumulate(GROW_LEGACY["adam"](), GROW_N))
+    step = _traced_grow_step(opt, variables)
+    step(*_grow_grads(0))  # "a-": traced for `a` only
+    with pytest.raises(ValueError, match=r"first trace.*opt\.build\(model"):
+        step(*_grow_grads(2))  # "-b": traced anew, would add `b`
+    core = opt.inner_optimizer
+    assert len(core._self_variables) == len(core._self_state.accumulators) == 1
+    # Built with all variables first, the same function works.
+    variables = _grow_variables()
+    core = accumulate(GROW_LEGACY["adam"](), GROW_N)
+    core.build(variables)
+    opt = LSO(core)
+    step = _traced_grow_step(opt, variables)
+    for k in range(len(GROW_PATTERNS)):
+        step(*_grow_grads(k))
+    acc = _grow_state(variables, opt)
+    assert_states_equal(_grow_reference(GROW_LEGACY["adam"]), acc)
+
+
+# Saved after this micro-step: mid-cycle, after `b` was added, with both
+# accumulators holding gradients.
+GROW_SAVE_AFTER = 4
+
+
+def _grown_checkpoint(tmp_path, make):
+    variables = _grow_variables()
+    opt = LSO(accumulate(make(), GROW_N))
+    for k in range(GROW_SAVE_AFTER + 1):
+        _grow_step(opt, variables, k)
+    core = opt.inner_optimizer
+    assert int(core.micro_step) == 1
+    checkpoint = tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt)
+    path = checkpoint.save(str(tmp_path / "ckpt"))
+    return path, [a.numpy() for a in core._self_state.accumulators]
+
+
+@pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
+@pytest.mark.parametrize("built", [True, False], ids=["built", "grows_again"])
+def test_checkpoint_of_a_grown_accumulating_optimizer_resumes_the_cycle(
+    tmp_path, kind, built
+):
+    """Restored into an optimizer built with all variables (in the order the
+    saved one met them), or into an unbuilt one whose next step meets them
+    in that order, the cycle resumes as if never interrupted."""
+    make = GROW_LEGACY[kind]
+    path, _ = _grown_checkpoint(tmp_path, make)
+    variables = _grow_variables()
+    core = accumulate(make(), GROW_N)
+    if built:
+        core.build(variables)
+    opt = LSO(core)
+    checkpoint = tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt)
+    status = checkpoint.restore(path)
+    # Unbuilt, the first step after the restore builds the optimizer for
+    # both variables ("ab"), and the deferred values land then.
+    assert GROW_PATTERNS[GROW_SAVE_AFTER + 1] == "ab"
+    for k in range(GROW_SAVE_AFTER + 1, len(GROW_PATTERNS)):
+        _grow_step(opt, variables, k)
+    status.assert_consumed()
+    acc = _grow_state(variables, opt)
+    assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
+    assert_states_equal(_grow_reference(make), acc)
+
+
+def test_restore_into_an_optimizer_that_has_not_met_a_saved_variable_is_refused(
+    tmp_path,
+):
+    """Its accumulated gradients would be left out of the update."""
+    make = GROW_LEGACY["adam"]
+    path, saved = _grown_checkpoint(tmp_path, make)
+    assert all(np.any(a) for a in saved)
+    variables = _grow_variables()
+    opt = LSO(accumulate(make(), GROW_N))
+    tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
+    before = [v.numpy() for v in variables]
+    with pytest.raises(ValueError, match=r"not met yet.*opt\.build"):
+        opt.apply_gradients([(tf.ones((2,)), variables[0])])
+    # Refused before anything was added or applied.
+    assert int(opt.inner_optimizer.micro_step) == 1
+    state = opt.inner_optimizer._self_state
+    np.testing.assert_array_equal(state.accumulators[0].numpy(), saved[0])
+    for v, value in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), value)
+
+
+def test_traced_step_that_has_not_met_a_restored_variable_is_refused(tmp_path):
+    path, saved = _grown_checkpoint(tmp_path, GROW_LEGACY["adam"])
+    variables = _grow_variables()
+    opt = LSO(accumulate(GROW_LEGACY["adam"](), GROW_N))
+    tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
+    before = [v.numpy() for v in variables]
+    with pytest.raises(ValueError, match="not met yet"):
+        _traced_grow_step(opt, variables)(tf.ones((2,)), None)
+    # Refused while tracing: nothing ran.
+    assert int(opt.inner_optimizer.micro_step) == 1
+    state = opt.inner_optimizer._self_state
+    np.testing.assert_array_equal(state.accumulators[0].numpy(), saved[0])
+    for v, value in zip(variables, before):
+        np.testing.assert_array_equal(v.numpy(), value)
