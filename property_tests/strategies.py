@@ -182,6 +182,15 @@ model_specs = st.builds(
 _PARTIAL_HEADS = [(h,) for h in ALL_HEADS]
 
 
+
+def tf_keras_optimizers() -> st.SearchStrategy[OptimizerSpec]:
+    """Every optimizer tf_keras ships, new and legacy (OptimizerV2)."""
+    return st.one_of(
+        optimizers(TF_KERAS_FAMILIES, module="tf_keras"),
+        optimizers(TF_KERAS_LEGACY_FAMILIES, module="tf_keras.legacy"),
+    )
+
+
 @st.composite
 def cases(
     draw: st.DrawFn,

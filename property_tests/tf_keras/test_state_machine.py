@@ -24,16 +24,8 @@ from hypothesis.stateful import initialize
 from gradaccum import accumulate
 from property_tests.harness import scaled
 from property_tests.machine import NS, WRAPS, MachineBase
-from property_tests.strategies import (
-    TF_KERAS_FAMILIES,
-    TF_KERAS_LEGACY_FAMILIES,
-    optimizers,
-)
+from property_tests.strategies import tf_keras_optimizers
 
-tf_keras_optimizers = st.one_of(
-    optimizers(TF_KERAS_FAMILIES, module="tf_keras"),
-    optimizers(TF_KERAS_LEGACY_FAMILIES, module="tf_keras.legacy"),
-)
 
 
 def _key(name: str) -> str:
@@ -55,7 +47,7 @@ class TfKerasAccumulationMachine(MachineBase):
     DROPPED_BUMPS_ITERATIONS = ("lso_accumulate",)
 
     @initialize(
-        spec=tf_keras_optimizers,
+        spec=tf_keras_optimizers(),
         n=NS,
         reduction=st.sampled_from(["mean", "sum"]),
         wrap=st.sampled_from(WRAPS),
