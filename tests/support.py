@@ -114,7 +114,7 @@ def assert_states_equal(before: dict[str, np.ndarray], after: dict[str, np.ndarr
 
 
 def fit(
-    model: keras.Model,
+    model: Any,
     optimizer: Any,
     x: np.ndarray,
     y: np.ndarray,
@@ -122,7 +122,8 @@ def fit(
     loss: Any = "mse",
     epochs: int = 1,
     **compile_kwargs: Any,
-) -> keras.Model:
+) -> Any:
+    """Compiles and fits a Keras 3 or tf_keras model, unshuffled."""
     model.compile(optimizer=optimizer, loss=loss, **compile_kwargs)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return model

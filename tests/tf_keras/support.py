@@ -20,6 +20,7 @@ from tests.support import (
     RTOL,
     assert_states_close,
     assert_states_equal,
+    fit,
     make_data,
 )
 
@@ -34,7 +35,9 @@ __all__ = [
     "make_data",
     "make_embedding_model",
     "make_mlp",
+    "optimizer_state",
     "optimizer_variables",
+    "state_key",
 ]
 
 
@@ -74,7 +77,7 @@ def optimizer_variables(optimizer: Any) -> list[tf.Variable]:
     return list(variables() if callable(variables) else variables)
 
 
-def _key(name: str) -> str:
+def state_key(name: str) -> str:
     """A variable's name without what differs between equivalent runs.
 
     Slot names start with the name scopes they were created in, which depend
@@ -91,31 +94,23 @@ def _key(name: str) -> str:
     return re.sub(r"_\d+$", "", "/".join(parts))
 
 
-def full_state(model: tf_keras.Model, optimizer: Any) -> dict[str, np.ndarray]:
-    """Model weights, every optimizer variable (by name) and `iterations`."""
-    out = {f"model/{_key(v.name)}": np.asarray(v.numpy()) for v in model.weights}
+def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
+    """Every optimizer variable, keyed "opt/<name>" (`#k` for repeated names)."""
+    out: dict[str, np.ndarray] = {}
     for v in optimizer_variables(optimizer):
-        key, k = f"opt/{_key(v.name)}", 1
+        key, k = f"opt/{state_key(v.name)}", 1
         while key in out:
-            key, k = f"opt/{_key(v.name)}#{k}", k + 1
+            key, k = f"opt/{state_key(v.name)}#{k}", k + 1
         out[key] = np.asarray(v.numpy())
-    out["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
     return out
 
 
-def fit(
-    model: tf_keras.Model,
-    optimizer: Any,
-    x: np.ndarray,
-    y: np.ndarray,
-    batch_size: int,
-    loss: Any = "mse",
-    epochs: int = 1,
-    **compile_kwargs: Any,
-) -> tf_keras.Model:
-    model.compile(optimizer=optimizer, loss=loss, **compile_kwargs)
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    return model
+def full_state(model: tf_keras.Model, optimizer: Any) -> dict[str, np.ndarray]:
+    """Model weights, every optimizer variable (by name) and `iterations`."""
+    out = {f"model/{state_key(v.name)}": np.asarray(v.numpy()) for v in model.weights}
+    out.update(optimizer_state(optimizer))
+    out["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
+    return out
 
 
 def fit_pair(
