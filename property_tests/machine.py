@@ -182,6 +182,9 @@ class MachineBase(RuleBasedStateMachine):
     def _build(self, optimizer: Any, variables: list[Any]) -> None:
         optimizer.build(variables)
 
+    def _after_shadow_skipped(self) -> None:
+        """Called after the shadow's loss-scale optimizer skipped a step."""
+
     def __init__(self):
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="gradaccum-props-")
@@ -311,6 +314,7 @@ class MachineBase(RuleBasedStateMachine):
                 # Documented: the skipped step still counts, for the plain
                 # loss-scale optimizer too; the shadow skips one as well.
                 self.shadow.apply_gradients(zip(to_tf, self.shadow_vars))
+                self._after_shadow_skipped()
                 model.applied += 1
             return
         model.finite_loss_scale_step()

@@ -455,3 +455,34 @@ def test_traced_step_that_has_not_met_a_restored_variable_is_refused(tmp_path):
     np.testing.assert_array_equal(state.accumulators[0].numpy(), saved[0])
     for v, value in zip(variables, before):
         np.testing.assert_array_equal(v.numpy(), value)
+
+
+def test_nadam_step_cache_stays_in_step_after_a_dropped_micro_batch():
+    """Documented difference from plain tf_keras after a skipped step.
+
+    tf_keras's Nadam caches `_u_product` for the current step by a Python
+    counter that should equal `iterations + 1`; a loss-scale optimizer that
+    skips a step adds 1 to `iterations` but not to the counter, so the plain
+    optimizer multiplies the product in once per variable on its next step.
+    gradaccum keeps the counter at `iterations + 1`: the product gains one
+    factor per applied step, as in plain training without skips.
+    """
+    beta_1 = 0.9
+    make = lambda: tf_keras.optimizers.Nadam(0.1, beta_1=beta_1)  # noqa: E731
+    bad = [tf.constant([np.inf, 1.0]), tf.constant([1.0, 1.0])]
+    good = [tf.constant([0.5, -0.5]), tf.constant([0.25, 0.25])]
+    products = {}
+    for name in ("plain", "accumulating"):
+        variables = [tf.Variable([1.0, 2.0]), tf.Variable([3.0, 4.0])]
+        inner = make()
+        core = inner if name == "plain" else accumulate(inner, 1)
+        opt = LSO(core, initial_scale=1.0)
+        core.build(variables)
+        opt.apply_gradients(zip(bad, variables))  # skipped: non-finite
+        assert int(inner.iterations.numpy()) == 1
+        opt.apply_gradients(zip(good, variables))
+        products[name] = float(inner._u_product.numpy())
+    # The factor of the step applied at iterations == 1 (local step 2).
+    u_t = beta_1 * (1.0 - 0.5 * 0.96**2)
+    np.testing.assert_allclose(products["accumulating"], u_t, rtol=1e-6)
+    np.testing.assert_allclose(products["plain"], u_t**2, rtol=1e-6)
