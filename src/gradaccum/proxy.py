@@ -258,7 +258,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             return tf.maximum(n, 1)
         if self._self_n_variable is None:
             return tf.constant(self._self_n, dtype=tf.int64)
-        return self._self_n_variable.read_value()
+        return self._self_n_variable.value()
 
     # ------------------------------------------------------------------
     # Building.
@@ -481,7 +481,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         self._refresh_seen()
         self._accumulate(grads, indices, weight)
         state = self._self_state
-        count = state.micro_step.read_value() + 1
+        count = state.micro_step.value() + 1
         self._finish_cycle_if(count >= self._current_n(), count)
 
     def flush(self) -> None:
@@ -510,7 +510,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         self._flush_here()
 
     def _flush_here(self) -> None:
-        count = self._self_state.micro_step.read_value()
+        count = self._self_state.micro_step.value()
         self._finish_cycle_if(count > 0, count)
 
     def _refresh_seen(self) -> None:
