@@ -85,16 +85,59 @@ def _masked_update(
         _snapshot_update(strategy, keep_new, state, update)
 
 
-def _read_after_writes(variables: Sequence[tf.Variable]) -> list[tf.Tensor]:
-    """Reads `variables` once the writes made so far to all of them have run.
+def _divide_in_place(variables: Sequence[tf.Variable], divisor: tf.Tensor) -> None:
+    """Divides each of the replica-local `variables` by the scalar `divisor`.
 
-    Each accumulator is otherwise read as soon as its own micro-gradient has
-    been added, and what is computed from it allocated while the
-    micro-gradients of other variables are still alive.
+    One after the other: each quotient replaces its variable's buffer before
+    the next one is allocated, so at most one variable's worth is allocated
+    at a time. The variables then hold what the update reads. Reading a
+    variable allocates nothing, where a quotient computed for the update
+    would be a second copy of the sums, alive next to them while the update
+    runs; and since a read shares its buffer with the variable, no operation
+    of the update can reuse that buffer, so the update allocates the same
+    whichever order it runs in.
     """
-    reads = [v.read_value() for v in variables]
-    with tf.control_dependencies(reads):
-        return [tf.identity(r) for r in reads]
+    done: list[Any] = []
+    for v in variables:
+        with tf.control_dependencies(done):
+            quotient = v.value() / tf.cast(divisor, v.dtype)
+            done = [v.assign(quotient, read_value=False)]
+
+
+def _divide_if(
+    keep_new: tf.Tensor,
+    variables: Sequence[tf.Variable],
+    divisor: Callable[[], tf.Tensor],
+) -> None:
+    """`_divide_in_place` by `divisor()` if `keep_new`, in a `tf.cond` that
+    synchronises nothing (`divisor` is called inside the branch).
+
+    The `tf.cond` takes every variable as an input, so it runs once all
+    writes made so far to any of them have run: what reads them after it
+    (the update) waits for every micro-gradient to have been added.
+    """
+    tf.cond(keep_new, lambda: _divide_in_place(variables, divisor()), _nothing)
+
+
+def _zero(
+    variables: Sequence[tf.Variable],
+    zero: tf.Tensor,
+    after: Sequence[tf.Variable] = (),
+) -> None:
+    """Sets replica-local `variables` to `zero` (a scalar 0 known only at run time).
+
+    It waits for the writes made so far to the variables in `after` (the
+    update's), so the zeros are not allocated while the update's temporaries
+    are alive, and zeroes the variables one after the other: each old buffer
+    is freed before the next zeros are allocated. The zeros are filled at run
+    time from a value TensorFlow cannot know in advance: zeros of a static
+    shape are folded into a graph constant, which then stays in memory.
+    """
+    done: list[Any] = [v.value() for v in after]
+    for v in variables:
+        with tf.control_dependencies(done):
+            zeros = tf.fill(tf.shape(v), tf.cast(zero, v.dtype))
+            done = [v.assign(zeros, read_value=False)]
 
 
 def _zero_if(
@@ -102,29 +145,17 @@ def _zero_if(
     variables: Sequence[tf.Variable],
     after: Sequence[tf.Variable] = (),
 ) -> None:
-    """Sets replica-local `variables` to zero if `keep_new`.
+    """`_zero` if `keep_new`, in a `tf.cond` that synchronises nothing.
 
-    A `tf.cond`: its branch writes only replica-local variables and
-    synchronises nothing, and on an in-between step nothing is allocated.
-    It waits for the writes made so far to the variables in `after` (the
-    update's), so the zeros are not allocated while the update's temporaries
-    are alive, and zeroes the variables one after the other. The zeros are
-    filled at run time from a value TensorFlow cannot know in advance: zeros
-    of a static shape are folded into a graph constant, which then stays in
-    memory.
+    On an in-between step nothing is allocated, and nothing of `after` is
+    read: the reads are inside the branch, and the `tf.cond` waits for the
+    writes to `after` since it takes those variables as inputs.
     """
-
-    def zero() -> None:
-        # One after the other: each old buffer is freed before the next
-        # zeros are allocated.
-        done: list[Any] = []
-        for v in variables:
-            with tf.control_dependencies(done):
-                zeros = tf.fill(tf.shape(v), tf.cast(tf.logical_not(keep_new), v.dtype))
-                done = [v.assign(zeros, read_value=False)]
-
-    with tf.control_dependencies([v.read_value() for v in after]):
-        tf.cond(keep_new, zero, _nothing)
+    tf.cond(
+        keep_new,
+        lambda: _zero(variables, tf.logical_not(keep_new), after=after),
+        _nothing,
+    )
 
 
 # ----------------------------------------------------------------------

@@ -24,7 +24,14 @@ from gradaccum.distribution import (
     _replica_local,
 )
 from gradaccum.loss_scaling import _inner_attribute, _install
-from gradaccum.masking import _masked_update, _read_after_writes, _select, _zero_if
+from gradaccum.masking import (
+    _divide_if,
+    _divide_in_place,
+    _masked_update,
+    _select,
+    _zero,
+    _zero_if,
+)
 from gradaccum.serialization import (
     _AccumulationState,
     _Saveable,
@@ -251,7 +258,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             return tf.maximum(n, 1)
         if self._self_n_variable is None:
             return tf.constant(self._self_n, dtype=tf.int64)
-        return self._self_n_variable.read_value()
+        return self._self_n_variable.value()
 
     # ------------------------------------------------------------------
     # Building.
@@ -545,9 +552,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             return
         self._refresh_seen()
         state = self._self_state
-        self._check_unmet(lambda: state.micro_step.read_value() + 1 >= self._current_n())
+        self._check_unmet(lambda: state.micro_step.value() + 1 >= self._current_n())
         self._accumulate(grads, indices, weight)
-        count = state.micro_step.read_value() + 1
+        count = state.micro_step.value() + 1
         self._finish_cycle_if(count >= self._current_n(), count)
 
     def flush(self) -> None:
@@ -576,7 +583,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         self._flush_here()
 
     def _flush_here(self) -> None:
-        count = self._self_state.micro_step.read_value()
+        count = self._self_state.micro_step.value()
         self._check_unmet(lambda: count > 0)
         self._finish_cycle_if(count > 0, count)
 
@@ -632,29 +639,48 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
 
     def _finish_cycle_if(self, keep_new: tf.Tensor, count: tf.Tensor) -> None:
-        """Runs the update (masked or skipped); on `keep_new`, keeps it and clears the cycle."""
+        """Runs the update (masked or skipped); on `keep_new`, keeps it and clears the cycle.
+
+        On the apply step each accumulator is divided where it is (for
+        `"mean"`) and the update reads the accumulators themselves: no
+        second copy of the accumulated gradients is allocated (see
+        `_divide_in_place`). Masked, an in-between step's update reads the
+        undivided sums; its result is discarded anyway.
+        """
         adapter = self._self_adapter
         state = self._self_state
         included = sorted(i for i in self._self_seen if i < len(state.accumulators))
         self._check_left_out(keep_new, included)
-        accumulated = _read_after_writes([state.accumulators[i] for i in included])
+        accumulators = [state.accumulators[i] for i in included]
         variables = [self._self_variables[i] for i in included]
-        divisor = self._mean_divisor()
+        written = [adapter.model_variable(v) for v in variables]
+        cleared = accumulators + [state.weight_total]
         options = self._self_apply_options
 
-        def apply_accumulated(accumulated: list[tf.Tensor], divisor: Any = None) -> None:
-            update_grads = [
-                tf.cast(a if divisor is None else a / tf.cast(divisor, a.dtype), tf.as_dtype(v.dtype))
-                for a, v in zip(accumulated, variables)
+        def apply_accumulated() -> None:
+            # In replica context: each replica reads its own accumulators.
+            grads = [
+                tf.cast(a.value(), tf.as_dtype(v.dtype))
+                for a, v in zip(accumulators, variables)
             ]
-            adapter.apply_accumulated(update_grads, variables, **options)
+            adapter.apply_accumulated(grads, variables, **options)
 
-        # Per-replica inputs of the update: arguments, not captured (skip mode
-        # runs `apply_accumulated` in every replica's thread).
-        inputs = [accumulated] if divisor is None else [accumulated, divisor]
         if self._self_mode == "skip":
-            _skipped_update(keep_new, apply_accumulated, *inputs)
+
+            def apply_and_clear(keep_new: tf.Tensor) -> None:
+                divisor = self._mean_divisor()
+                if divisor is not None:
+                    _divide_in_place(accumulators, divisor())
+                apply_accumulated()
+                # `keep_new` is True here: its negation is a run-time zero.
+                _zero(cleared, tf.logical_not(keep_new), after=written)
+
+            # `keep_new` as an argument: it is a per-replica input.
+            _skipped_update(keep_new, apply_and_clear, keep_new)
         else:
+            divisor = self._mean_divisor()
+            if divisor is not None:
+                _divide_if(keep_new, accumulators, divisor)
             tracked = adapter.state_variables()
             # Every variable the optimizer was built for, not only those in
             # this update: with `ema_overwrite_frequency` Keras overwrites all
@@ -664,14 +690,10 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 adapter.strategy(),
                 keep_new,
                 tracked,
-                lambda: apply_accumulated(*inputs),
+                apply_accumulated,
                 masks_writes=getattr(adapter, "masks_writes", False),
             )
-        _zero_if(
-            keep_new,
-            [state.accumulators[i] for i in included] + [state.weight_total],
-            after=[adapter.model_variable(v) for v in variables],
-        )
+            _zero_if(keep_new, cleared, after=written)
         state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
 
     def _check_unmet(self, ends_cycle: Callable[[], tf.Tensor]) -> None:
@@ -732,7 +754,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             ],
         )
 
-    def _mean_divisor(self) -> tf.Tensor | None:
+    def _mean_divisor(self) -> Callable[[], tf.Tensor] | None:
         """What the accumulated sum is divided by (None for `"sum"`).
 
         Unweighted, each replica divides its sum by its own micro-batch count
@@ -740,16 +762,27 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         in plain training. Weighted, the divisor is the weight total over all
         replicas (one scalar all-reduce) divided by the replica count, since
         Keras already scales every replica's loss by 1 / replicas.
+
+        Returns a function that gives the divisor, to be called where it is
+        needed (inside the branch that divides); the all-reduce, which must
+        not run inside a branch, runs here, unconditionally.
         """
         if self._self_reduction == "sum":
             return None
-        total = self._self_state.weight_total.read_value()
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         context = tf.distribute.get_replica_context()
+        total = None
         if self._self_weighted and replicas > 1 and context is not None:
-            total = context.all_reduce(tf.distribute.ReduceOp.SUM, total) / float(replicas)
-        # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
-        return tf.where(total > 0, total, tf.ones_like(total))
+            total = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, self._self_state.weight_total.value()
+            ) / float(replicas)
+
+        def divisor() -> tf.Tensor:
+            t = self._self_state.weight_total.value() if total is None else total
+            # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
+            return tf.where(t > 0, t, tf.ones_like(t))
+
+        return divisor
 
     def __repr__(self) -> str:
         position = "?"
