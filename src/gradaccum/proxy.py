@@ -659,8 +659,11 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
 
         def apply_accumulated() -> None:
             # In replica context: each replica reads its own accumulators.
+            # `read_value()`, not `value()`: under MultiWorkerMirroredStrategy
+            # the gradient all-reduce needs a read placed on the variable's
+            # device. Either read shares the variable's buffer.
             grads = [
-                tf.cast(a.value(), tf.as_dtype(v.dtype))
+                tf.cast(a.read_value(), tf.as_dtype(v.dtype))
                 for a, v in zip(accumulators, variables)
             ]
             adapter.apply_accumulated(grads, variables, **options)
