@@ -10,9 +10,6 @@ with or without a (float32) LossScaleOptimizer, in either wrapping order.
 
 from __future__ import annotations
 
-import inspect
-
-import keras
 import numpy as np
 import tensorflow as tf
 from hypothesis import assume, example, given
@@ -35,6 +32,7 @@ from property_tests.harness import (
     scaled,
 )
 from property_tests.strategies import FAMILIES, cases
+from tests.support import shipped_optimizers
 
 
 def _accumulators_empty(opt) -> bool:
@@ -290,12 +288,5 @@ def test_checkpoint_restore_at_a_drawn_micro_step_changes_nothing(case, data):
 
 def test_every_builtin_optimizer_is_drawn():
     """A new optimizer in `keras.optimizers` must get a strategy."""
-    wrappers = {"Optimizer", "LossScaleOptimizer", "MultiOptimizer", "OptimizerMap"}
-    shipped = {
-        name
-        for name, obj in vars(keras.optimizers).items()
-        if inspect.isclass(obj)
-        and issubclass(obj, keras.optimizers.Optimizer)
-        and name not in wrappers
-    }
+    shipped = shipped_optimizers()
     assert shipped <= set(FAMILIES), sorted(shipped - set(FAMILIES))

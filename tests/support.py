@@ -10,6 +10,7 @@ float32 rounding.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 from typing import Any, Callable, Iterator
 
@@ -25,6 +26,18 @@ ATOL = 1e-6
 
 # Every `mode` of `accumulate`: equivalence tests run once per mode.
 MODES = ("masked", "skip")
+
+
+def shipped_optimizers() -> set[str]:
+    """Names of the optimizers `keras.optimizers` ships (wrappers excluded)."""
+    wrappers = {"Optimizer", "LossScaleOptimizer", "MultiOptimizer", "OptimizerMap"}
+    return {
+        name
+        for name, obj in vars(keras.optimizers).items()
+        if inspect.isclass(obj)
+        and issubclass(obj, keras.optimizers.Optimizer)
+        and name not in wrappers
+    }
 
 
 def make_data(samples: int, in_dim: int = 5, out_dim: int = 3, seed: int = 0):
