@@ -81,7 +81,9 @@ def _variable_name(variable: Any) -> str:
 class _TfKerasAdapter:
     """What both `tf_keras` optimizer families share."""
 
-    # See `_Keras3Optimizer.grows`.
+    # See `_Keras3Optimizer.masks_writes` and `.grows`: the masked update
+    # snapshots both tf_keras families (see the module docstring).
+    masks_writes = False
     grows = False
 
     def __init__(self, optimizer: Any):

@@ -305,7 +305,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             adapter.build(variables)
         if self._self_state is None:
             self._build_state(adapter.trainable_variables())
-        elif getattr(adapter, "grows", False):
+        elif adapter.grows:
             self._indices_of(list(variables))  # adds those not met yet
 
     def _build_state(self, variables: list[Any]) -> None:
@@ -348,7 +348,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             if key not in self._self_index:
                 new.setdefault(key, v)
         if new:
-            if not getattr(self._self_adapter, "grows", False):
+            if not self._self_adapter.grows:
                 v = next(iter(new.values()))
                 name = getattr(v, "path", None) or getattr(v, "name", repr(v))
                 raise ValueError(
@@ -694,7 +694,7 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 keep_new,
                 tracked,
                 apply_accumulated,
-                masks_writes=getattr(adapter, "masks_writes", False),
+                masks_writes=adapter.masks_writes,
             )
             _zero_if(keep_new, cleared, after=written)
         state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
