@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -53,6 +54,27 @@ NS = st.one_of(
     st.integers(1, 4),
     st.lists(st.integers(1, 4), min_size=2, max_size=4).map(tuple),
 )
+
+
+def start_rule(specs: st.SearchStrategy[Any]) -> Any:
+    """The machines' `@initialize` rule, drawing the optimizer from `specs`.
+
+    A subclass of `MachineBase` sets `start = start_rule(<its optimizers>)`.
+    """
+
+    @initialize(
+        spec=specs,
+        n=NS,
+        reduction=st.sampled_from(["mean", "sum"]),
+        wrap=st.sampled_from(WRAPS),
+        scale_exponent=st.integers(0, 15),
+        growth=st.integers(1, 4),
+        update=st.sampled_from(["masked", "skip"]),
+    )
+    def start(self, spec, n, reduction, wrap, scale_exponent, growth, update):
+        self._start(spec, n, reduction, wrap, scale_exponent, growth, update)
+
+    return start
 
 
 def _n_argument(n: int | tuple[int, ...]) -> Any:
@@ -146,8 +168,8 @@ class _Model:
 class MachineBase(RuleBasedStateMachine):
     """Rules and invariants; a subclass names the optimizer family.
 
-    Subclasses define an `@initialize` rule that calls `_start`, and these
-    family hooks.
+    Subclasses set `start = start_rule(...)` (their optimizers) and define
+    these family hooks.
     """
 
     checkpoints = Bundle("checkpoints")

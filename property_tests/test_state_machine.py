@@ -11,8 +11,6 @@ from typing import Any
 import keras
 import numpy as np
 from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import initialize
 
 from property_tests.harness import (
     OptimizerSpec,
@@ -20,7 +18,7 @@ from property_tests.harness import (
     optimizer_state,
     scaled,
 )
-from property_tests.machine import NS, WRAPS, MachineBase
+from property_tests.machine import MachineBase, start_rule
 from property_tests.strategies import optimizers
 
 
@@ -28,17 +26,7 @@ class AccumulationMachine(MachineBase):
     LSO = keras.optimizers.LossScaleOptimizer
     LOSS_SCALE_KEYS = ("opt/step_counter", "opt/dynamic_scale")
 
-    @initialize(
-        spec=optimizers(),
-        n=NS,
-        reduction=st.sampled_from(["mean", "sum"]),
-        wrap=st.sampled_from(WRAPS),
-        scale_exponent=st.integers(0, 15),
-        growth=st.integers(1, 4),
-        update=st.sampled_from(["masked", "skip"]),
-    )
-    def start(self, spec, n, reduction, wrap, scale_exponent, growth, update):
-        self._start(spec, n, reduction, wrap, scale_exponent, growth, update)
+    start = start_rule(optimizers())
 
     def _variable(self, value: np.ndarray, name: str) -> Any:
         return keras.Variable(value, name=name)

@@ -17,12 +17,10 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import initialize
 
 from gradaccum import accumulate
 from property_tests.harness import scaled
-from property_tests.machine import NS, WRAPS, MachineBase
+from property_tests.machine import MachineBase, start_rule
 from property_tests.strategies import tf_keras_optimizers
 from tests.tf_keras.support import optimizer_state, optimizer_variables
 
@@ -32,17 +30,7 @@ class TfKerasAccumulationMachine(MachineBase):
     MIN_SCALE = 1.0
     DROPPED_BUMPS_ITERATIONS = ("lso_accumulate",)
 
-    @initialize(
-        spec=tf_keras_optimizers(),
-        n=NS,
-        reduction=st.sampled_from(["mean", "sum"]),
-        wrap=st.sampled_from(WRAPS),
-        scale_exponent=st.integers(0, 15),
-        growth=st.integers(1, 4),
-        update=st.sampled_from(["masked", "skip"]),
-    )
-    def start(self, spec, n, reduction, wrap, scale_exponent, growth, update):
-        self._start(spec, n, reduction, wrap, scale_exponent, growth, update)
+    start = start_rule(tf_keras_optimizers())
 
     def _variable(self, value: np.ndarray, name: str) -> Any:
         return tf.Variable(value, name=name)
