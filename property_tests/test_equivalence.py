@@ -281,33 +281,14 @@ def test_checkpoint_restore_at_a_drawn_micro_step_changes_nothing(case, data):
     optimizer (built before the restore, or after it), with a newly traced
     step; its final state must equal the uninterrupted run's exactly.
     """
-    # Known bug, pinned below: left out here so that it cannot hide others.
-    assume(not _schedule_free_restored_unbuilt_into_a_trace(case))
+    # Keras's own ScheduleFreeAdamW loses restored momenta when it is built
+    # after the restore (tests/test_state.py pins that on the plain optimizer
+    # and checks that the accumulating one does the same); left out here.
+    assume(not (case.optimizer.family == "ScheduleFreeAdamW" and not case.build_first))
     stop = data.draw(st.integers(1, case.micro_steps), label="stop")
     uninterrupted, _, _ = run_subject(case)
     resumed, _, opt = run_subject(case, resume_at=stop if stop < case.micro_steps else None)
     assert_states_equal(uninterrupted, resumed, f"resumed after {stop} micro-steps")
-
-
-def _schedule_free_restored_unbuilt_into_a_trace(case) -> bool:
-    return (case.optimizer.family == "ScheduleFreeAdamW" and not case.build_first
-            and case.mode != "eager")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "Known bug: ScheduleFreeAdamW restored mid-cycle into an optimizer that is "
-    "built by a traced first step resumes with other kernels and momenta."))
-def test_schedule_free_checkpoint_into_an_unbuilt_traced_optimizer():
-    case = Case(
-        model=ModelSpec(kind="dense", width=3, depth=1),
-        optimizer=OptimizerSpec("ScheduleFreeAdamW", (("learning_rate", 0.1),)),
-        n=2, reduction="mean", micro_batch=1, cycles=1, extra=0,
-        heads=((0, 1), (0, 1)), mode="tf_function", data_seed=0, build_first=False,
-    )
-    assert _schedule_free_restored_unbuilt_into_a_trace(case)
-    uninterrupted, _, _ = run_subject(case)
-    resumed, _, _ = run_subject(case, resume_at=1)
-    assert_states_equal(uninterrupted, resumed, "resumed after 1 micro-step")
 
 
 def test_every_builtin_optimizer_is_drawn():
