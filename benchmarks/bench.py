@@ -9,9 +9,12 @@ Method
 ------
 Time: every variant of a case lives in one process, each with its own model
 (same architecture and initial weights) and optimizer, compiled and warmed up
-(traced) first. Each round times one `model.fit` over the same samples for
-every variant, in an order rotated from round to round, and divides each
-variant's time by the plain optimizer's time in that round; the table gives
+(traced) first. Each variant exists twice, the copies created in order and
+then in reverse order: identical variants were measured up to 4% apart
+depending on when they were created, and the two copies cancel that. Each
+round times one `model.fit` over the same samples for every copy, in an
+order rotated from round to round, and divides each variant's time (the
+mean of its copies) by the plain optimizer's in that round; the table gives
 the median of these per-round ratios, so drift and load spikes that last
 longer than one round cancel. Process CPU time (all threads) is steadier
 than wall time under load from other processes; both are reported, targets
@@ -52,6 +55,7 @@ import numpy as np  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 N = 4  # micro-batches per update in every case
+COPIES = 2  # instances of each variant in a timing case (see time_case)
 TARGETS = {
     "masked_vs_plain_mlp_adam": 1.15,
     "masked_vs_plain_conv": 1.03,
@@ -146,30 +150,42 @@ def variants(opt_name: str) -> dict[str, tuple[Callable[[], Any], int]]:
 # Time.
 
 
-def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log):
+def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies=COPIES):
     tf, _ = _tf()
     x, y = make_data(model_kind, batch * micro_steps)
+    made = list(variants(opt_name).items())
+    names = [name for name, _ in made]
+    # Each variant twice, created in order and then in reverse: identical
+    # variants measured up to 4% apart depending on when they were created
+    # (where their buffers landed), and a variant's two copies cancel a
+    # trend over creation order.
+    creation = [(name, c) for c in range(copies)
+                for name, _ in (made if c % 2 == 0 else made[::-1])]
     runs = {}
-    for name, (make_opt, factor) in variants(opt_name).items():
+    for name, c in creation:
+        make_opt, factor = dict(made)[name]
         model = make_model(model_kind)
         model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * factor).cache()
         for _ in range(2):  # trace, then one untimed run
             model.fit(ds, epochs=1, verbose=0)
-        runs[name] = (model, ds)
-    names = list(runs)
+        runs[name, c] = (model, ds)
     cpu = {k: [] for k in names}
     wall = {k: [] for k in names}
     for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
+        order = creation[r % len(creation) :] + creation[: r % len(creation)]
         if r % 2:
             order.reverse()
-        for name in order:
-            model, ds = runs[name]
+        spent = {k: [0.0, 0.0] for k in names}
+        for key in order:
+            model, ds = runs[key]
             c0, w0 = time.process_time(), time.perf_counter()
             model.fit(ds, epochs=1, verbose=0)
-            cpu[name].append(time.process_time() - c0)
-            wall[name].append(time.perf_counter() - w0)
+            spent[key[0]][0] += time.process_time() - c0
+            spent[key[0]][1] += time.perf_counter() - w0
+        for k in names:  # per fit of one copy
+            cpu[k].append(spent[k][0] / copies)
+            wall[k].append(spent[k][1] / copies)
         log(".", end="")
     log("")
     base_cpu, base_wall = np.array(cpu["plain B"]), np.array(wall["plain B"])
@@ -188,7 +204,7 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log):
 
 
 def run_time(quick: bool, log) -> dict:
-    rounds = 3 if quick else 9
+    rounds = 3 if quick else 7
     cases = [
         ("mlp", "adam", 8, 16 * N),
         ("mlp", "sgd", 8, 16 * N),
