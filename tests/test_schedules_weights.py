@@ -5,6 +5,8 @@ each update is meant to see (its micro-batches concatenated), from the same
 initial weights.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -107,6 +109,44 @@ def test_setting_n_between_cycles_needs_no_retracing(mode):
         step(x, y, 1.0)
     assert opt.n == 2 and len(traces) == 1
     assert_states_close(expected, full_state(model, opt))
+
+
+def test_a_function_traced_with_n_1_refuses_to_run_once_n_changed():
+    """Documented: a trace with n=1 hands gradients straight over whatever `n`
+    becomes. Changing `n` warns, and the stale trace then raises before it
+    writes anything instead of silently not accumulating; a new trace
+    accumulates."""
+    micro = _micro_batches([B] * 3)
+    expected = _reference([micro[0:1], micro[1:3]])
+    model = make_mlp()
+    opt = accumulate(_adam(), 1)
+    step, _ = _traced_step(model, opt)
+    step(*micro[0], 1.0)
+    with pytest.warns(RuntimeWarning, match="traced with n=1"):
+        opt.n = 2
+    before = full_state(model, opt)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="traced with n=1"):
+        step(*micro[1], 1.0)
+    assert_states_equal(before, full_state(model, opt))
+    step, traces = _traced_step(model, opt)
+    for x, y in micro[1:3]:
+        step(x, y, 1.0)
+    assert len(traces) == 1
+    assert_states_close(expected, full_state(model, opt))
+
+
+def test_changing_n_warns_only_after_a_trace_with_n_1():
+    model = make_mlp()
+    eager = accumulate(_adam(), 1)
+    eager.apply_gradients(zip(_grads(model, *_micro_batches([B])[0]), model.trainable_variables))
+    traced = accumulate(_adam(), 2)
+    step, _ = _traced_step(model, traced)
+    step(*_micro_batches([B])[0], 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eager.n = 2
+        traced.n = 3
+        traced.n = 1
 
 
 @pytest.mark.parametrize("new_n, expected_groups", [(2, [[0, 1], [2, 3]]), (1, [[0, 1, 2], [3]])])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import keras
@@ -162,6 +163,8 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         self._self_schedule = None if isinstance(n, int) else n
         self._self_n = n if isinstance(n, int) else None
         self._self_n_variable: tf.Variable | None = None
+        # Whether a traced function hands gradients straight over (n=1).
+        self._self_bypass_traced = False
         self._self_reduction = reduction
         self._self_mode = mode
         self._self_state: _AccumulationState | None = None
@@ -189,7 +192,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         Set it to an int between cycles (`opt.n = 8`); the change needs no
         retracing, except to or from `n=1`: with `n=1` gradients go straight
         to the wrapped optimizer, and a `tf.function` traced then keeps doing
-        so, so trace it anew after such a change. Set mid-cycle, the current
+        so, so trace it anew after such a change. Setting another `n` after
+        such a trace warns, and running that function then raises (not
+        under XLA, which drops run-time assertions). Set mid-cycle, the current
         cycle ends on the first micro-step at which it holds at least the new
         `n` micro-batches, and applies the mean over all of them.
 
@@ -209,6 +214,15 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 "an int afterwards. Let the schedule return the new value."
             )
         value = _check_n(value)
+        if value != 1 and core._self_n == 1 and core._self_bypass_traced:
+            warnings.warn(
+                f"`n` set to {value}, but a `tf.function` traced with n=1 hands "
+                "gradients straight to the wrapped optimizer and keeps doing "
+                "so: trace it anew (for `model.fit`: "
+                "`model.make_train_function(force=True)`, or compile again).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         core._self_n = value
         if core._self_n_variable is not None:
             core._self_n_variable.assign(value)
@@ -546,9 +560,27 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             # variables without a gradient zeros instead of skipping them.
             # (Once anything was accumulated, with another `n` set before,
             # the accumulating path below finishes that cycle instead.)
-            self._self_adapter.apply(
-                grads, trainable_variables, **self._self_apply_options
+            if tf.executing_eagerly():
+                self._self_adapter.apply(
+                    grads, trainable_variables, **self._self_apply_options
+                )
+                return
+            # A trace keeps this path whatever `n` is set to later: stop it
+            # from running once `n` is no longer 1.
+            self._self_bypass_traced = True
+            still_one = tf.debugging.assert_equal(
+                self._self_n_variable.value(),
+                tf.constant(1, tf.int64),
+                message=(
+                    "gradaccum: this function was traced with n=1, which hands "
+                    "gradients straight to the wrapped optimizer, but `n` has "
+                    "changed since; trace it anew."
+                ),
             )
+            with tf.control_dependencies([still_one]):
+                self._self_adapter.apply(
+                    grads, trainable_variables, **self._self_apply_options
+                )
             return
         self._refresh_seen()
         state = self._self_state
