@@ -19,6 +19,15 @@ from tests.tf_keras.support import (
     make_mlp,
 )
 from tests.support import mirrored
+from tests.tf_keras.test_mixed_precision import (
+    GROW_LEGACY,
+    GROW_N,
+    GROW_PATTERNS,
+    _grow_grads,
+    _grow_reference,
+    _grow_state,
+    _grow_variables,
+)
 
 N, B, CYCLES = 3, 8, 3
 LSO = tf_keras.mixed_precision.LossScaleOptimizer
@@ -90,3 +99,44 @@ def test_non_finite_micro_batch_dropped_on_every_replica(kind):
     assert_states_equal(before, full_state(model, opt))
     assert int(opt.inner_optimizer.micro_step) == 1
     assert float(opt.loss_scale) == 2.0**14
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
+@pytest.mark.parametrize("mode", ["masked", "skip"])
+def test_growing_under_mirrored_strategy(mode, kind, traced):
+    """`LSO(accumulate(legacy_opt))` unbuilt under two replicas, with a
+    variable first met on an in-between micro-step (see the single-device
+    test in `test_mixed_precision`): each replica gets half of each
+    micro-gradient, so their all-reduced sum is the single-device one and
+    the states agree bit for bit. Traced, one `tf.function` per gradient pattern (each adds
+    variables on its first trace only)."""
+    strategy = _strategy()
+    with strategy.scope():
+        variables = _grow_variables()
+        opt = LSO(accumulate(GROW_LEGACY[kind](), GROW_N, mode=mode))
+
+    def step(*given, at):
+        def replica(*given):
+            grads = [None] * len(variables)
+            for i, g in zip(at, given):
+                grads[i] = g / 2
+            opt.apply_gradients(zip(grads, variables))
+
+        strategy.run(replica, args=given)
+
+    steps = {}
+    for k, pattern in enumerate(GROW_PATTERNS):
+        grads = _grow_grads(k)
+        at = tuple(i for i, g in enumerate(grads) if g is not None)
+        given = [grads[i] for i in at]
+        if not traced:
+            step(*given, at=at)
+            continue
+        if pattern not in steps:
+            steps[pattern] = tf.function(lambda *given, at=at: step(*given, at=at))
+        steps[pattern](*given)
+    assert [v.name for v in opt.inner_optimizer._self_variables] == ["a:0", "b:0"]
+    acc = _grow_state(variables, opt)
+    assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
+    assert_states_equal(_grow_reference(GROW_LEGACY[kind]), acc)
