@@ -1,9 +1,10 @@
 """Speed and memory of `accumulate()` against the plain optimizer and Keras's
 built-in `gradient_accumulation_steps`, with each target and pass/fail.
 
-    python benchmarks/bench.py            # full run (about 15 minutes on 2 cores)
-    python benchmarks/bench.py --quick    # smoke run (about 3 minutes)
+    python benchmarks/bench.py            # full run (roughly 30 minutes on 2 cores)
+    python benchmarks/bench.py --quick    # smoke run (a few minutes)
     python benchmarks/bench.py --only time memory growth tracing
+    python benchmarks/bench.py --only time --cases conv   # some timing cases
 
 Method
 ------
@@ -203,12 +204,13 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
     return out
 
 
-def run_time(quick: bool, log) -> dict:
+def run_time(quick: bool, log, only: list[str] | None = None) -> dict:
     rounds = 3 if quick else 7
     cases = [
         ("mlp", "adam", 8, 16 * N),
         ("mlp", "sgd", 8, 16 * N),
-        ("conv", "adam", 64, 4 * N),
+        # 8 cycles per fit: with 4, the A/A pair reached 1.06 in a full run.
+        ("conv", "adam", 64, 8 * N),
     ]
     if quick:
         cases = [(m, o, b, 2 * N) for m, o, b, _ in cases]
@@ -216,6 +218,8 @@ def run_time(quick: bool, log) -> dict:
     for model_kind, opt_name, batch, steps in cases:
         for jit in (False, True):
             key = f"{model_kind}/{opt_name}/B={batch}/{'jit' if jit else 'graph'}"
+            if only and not any(part in key for part in only):
+                continue
             log(f"  time {key} ({steps} micro-steps x {rounds} rounds) ", end="")
             results[key] = time_case(model_kind, opt_name, batch, jit, steps, rounds, log)
     return results
@@ -581,6 +585,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument("--only", nargs="+", choices=["time", "memory", "growth", "tracing"])
+    parser.add_argument("--cases", nargs="+", metavar="TEXT",
+                        help="time only the cases whose name contains one of these, e.g. conv")
     parser.add_argument("--json", help="also write the raw results to this file")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -600,7 +606,10 @@ def main(argv=None) -> None:
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick}
     load0 = os.getloadavg()[0]
     for part in parts:
-        res[part] = {"time": run_time, "memory": run_memory, "growth": run_growth,
+        if part == "time":
+            res[part] = run_time(args.quick, log, args.cases)
+            continue
+        res[part] = {"memory": run_memory, "growth": run_growth,
                      "tracing": run_tracing}[part](args.quick, log)
     res["load"] = (load0, os.getloadavg()[0])
     report(res)
