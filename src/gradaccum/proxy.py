@@ -560,24 +560,23 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             # variables without a gradient zeros instead of skipping them.
             # (Once anything was accumulated, with another `n` set before,
             # the accumulating path below finishes that cycle instead.)
-            if tf.executing_eagerly():
-                self._self_adapter.apply(
-                    grads, trainable_variables, **self._self_apply_options
-                )
-                return
-            # A trace keeps this path whatever `n` is set to later: stop it
-            # from running once `n` is no longer 1.
-            self._self_bypass_traced = True
-            still_one = tf.debugging.assert_equal(
-                self._self_n_variable.value(),
-                tf.constant(1, tf.int64),
-                message=(
-                    "gradaccum: this function was traced with n=1, which hands "
-                    "gradients straight to the wrapped optimizer, but `n` has "
-                    "changed since; trace it anew."
-                ),
-            )
-            with tf.control_dependencies([still_one]):
+            still_one = []
+            if not tf.executing_eagerly():
+                # A trace keeps this path whatever `n` is set to later: stop
+                # it from running once `n` is no longer 1.
+                self._self_bypass_traced = True
+                still_one = [
+                    tf.debugging.assert_equal(
+                        self._self_n_variable.value(),
+                        tf.constant(1, tf.int64),
+                        message=(
+                            "gradaccum: this function was traced with n=1, which "
+                            "hands gradients straight to the wrapped optimizer, "
+                            "but `n` has changed since; trace it anew."
+                        ),
+                    )
+                ]
+            with tf.control_dependencies(still_one):
                 self._self_adapter.apply(
                     grads, trainable_variables, **self._self_apply_options
                 )
