@@ -41,6 +41,7 @@ train function), for several `n`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -154,17 +155,17 @@ def variants(opt_name: str) -> dict[str, tuple[Callable[[], Any], int]]:
 def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies=COPIES):
     tf, _ = _tf()
     x, y = make_data(model_kind, batch * micro_steps)
-    made = list(variants(opt_name).items())
-    names = [name for name, _ in made]
+    made = variants(opt_name)
+    names = list(made)
     # Each variant twice, created in order and then in reverse: identical
     # variants measured up to 4% apart depending on when they were created
     # (where their buffers landed), and a variant's two copies cancel a
     # trend over creation order.
     creation = [(name, c) for c in range(copies)
-                for name, _ in (made if c % 2 == 0 else made[::-1])]
+                for name in (names if c % 2 == 0 else names[::-1])]
     runs = {}
     for name, c in creation:
-        make_opt, factor = dict(made)[name]
+        make_opt, factor = made[name]
         model = make_model(model_kind)
         model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * factor).cache()
@@ -605,12 +606,10 @@ def main(argv=None) -> None:
     parts = args.only or ["tracing", "memory", "growth", "time"]
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick}
     load0 = os.getloadavg()[0]
+    runners = {"time": functools.partial(run_time, only=args.cases), "memory": run_memory,
+               "growth": run_growth, "tracing": run_tracing}
     for part in parts:
-        if part == "time":
-            res[part] = run_time(args.quick, log, args.cases)
-            continue
-        res[part] = {"memory": run_memory, "growth": run_growth,
-                     "tracing": run_tracing}[part](args.quick, log)
+        res[part] = runners[part](args.quick, log)
     res["load"] = (load0, os.getloadavg()[0])
     report(res)
     if args.json:
