@@ -1,6 +1,5 @@
 """Every optimizer Keras 3 ships: accumulated training equals large batch."""
 
-
 import keras
 import pytest
 

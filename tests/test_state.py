@@ -308,14 +308,16 @@ def _schedule_free_momenta_after_restore(tmp_path, wrap, build):
         return model, (accumulate(opt, N) if wrap else opt)
 
     def momenta(opt):
-        return {v.name: v.numpy() for v in opt.variables if v.name.endswith("_momentum")}
+        return {v.name: v for v in opt.variables if v.name.endswith("_momentum")}
+
+    def values(opt):
+        return {name: v.numpy() for name, v in momenta(opt).items()}
 
     model, opt = make()
     opt.build(model.trainable_variables)
-    for v in opt.variables:
-        if v.name.endswith("_momentum"):
-            v.assign(v + 7.0)
-    saved = momenta(opt)
+    for v in momenta(opt).values():
+        v.assign(v + 7.0)
+    saved = values(opt)
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "c"))
     model, opt = make()
     tf.train.Checkpoint(model=model, optimizer=opt).restore(path)
@@ -323,8 +325,9 @@ def _schedule_free_momenta_after_restore(tmp_path, wrap, build):
         opt.build(model.trainable_variables)
     else:
         tf.function(lambda: opt.build(model.trainable_variables))()
-    assert saved and sorted(saved) == sorted(momenta(opt))
-    return saved, momenta(opt)
+    restored = values(opt)
+    assert saved and sorted(saved) == sorted(restored)
+    return saved, restored
 
 
 @pytest.mark.parametrize("build", ["eager", "traced"])

@@ -18,7 +18,7 @@ from tests.tf_keras.support import (
     make_data,
     make_mlp,
 )
-from tests.support import mirrored
+from tests.support import MODES, mirrored
 from tests.tf_keras.test_mixed_precision import (
     GROW_LEGACY,
     GROW_N,
@@ -103,14 +103,14 @@ def test_non_finite_micro_batch_dropped_on_every_replica(kind):
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
-@pytest.mark.parametrize("mode", ["masked", "skip"])
+@pytest.mark.parametrize("mode", MODES)
 def test_growing_under_mirrored_strategy(mode, kind, traced):
     """`LSO(accumulate(legacy_opt))` unbuilt under two replicas, with a
     variable first met on an in-between micro-step (see the single-device
     test in `test_mixed_precision`): each replica gets half of each
     micro-gradient, so their all-reduced sum is the single-device one and
-    the states agree bit for bit. Traced, one `tf.function` per gradient pattern (each adds
-    variables on its first trace only)."""
+    the states agree bit for bit. Traced, one `tf.function` per gradient
+    pattern (each adds variables on its first trace only)."""
     strategy = _strategy()
     with strategy.scope():
         variables = _grow_variables()
