@@ -5,6 +5,7 @@ built-in `gradient_accumulation_steps`, with each target and pass/fail.
     python benchmarks/bench.py --quick    # smoke run (a few minutes)
     python benchmarks/bench.py --only time memory growth tracing
     python benchmarks/bench.py --only time --cases conv   # some timing cases
+    python benchmarks/bench.py --only time --cases conv/adam/B=64/graph --rounds 15
 
 Method
 ------
@@ -205,8 +206,9 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
     return out
 
 
-def run_time(quick: bool, log, only: list[str] | None = None) -> dict:
-    rounds = 3 if quick else 7
+def run_time(quick: bool, log, only: list[str] | None = None,
+             rounds: int | None = None) -> dict:
+    rounds = rounds or (3 if quick else 7)
     cases = [
         ("mlp", "adam", 8, 16 * N),
         ("mlp", "sgd", 8, 16 * N),
@@ -588,9 +590,13 @@ def main(argv=None) -> None:
     parser.add_argument("--only", nargs="+", choices=["time", "memory", "growth", "tracing"])
     parser.add_argument("--cases", nargs="+", metavar="TEXT",
                         help="time only the cases whose name contains one of these, e.g. conv")
+    parser.add_argument("--rounds", type=int, metavar="R",
+                        help="timing rounds per case (default 7; 3 with --quick)")
     parser.add_argument("--json", help="also write the raw results to this file")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds must be a positive integer, got {args.rounds}")
 
     if args.child:
         kind, variant, steps = args.child
@@ -606,7 +612,7 @@ def main(argv=None) -> None:
     parts = args.only or ["tracing", "memory", "growth", "time"]
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick}
     load0 = os.getloadavg()[0]
-    runners = {"time": functools.partial(run_time, only=args.cases), "memory": run_memory,
+    runners = {"time": functools.partial(run_time, only=args.cases, rounds=args.rounds), "memory": run_memory,
                "growth": run_growth, "tracing": run_tracing}
     for part in parts:
         res[part] = runners[part](args.quick, log)
