@@ -276,24 +276,45 @@ def test_sum_reduction_matches_sum_reduced_large_batch(mode):
 # None gradients.
 
 
+# Micro-steps (k, counted from 0 over the whole run) whose `out/bias`
+# gradient is None.
+MISSING = {
+    # the middle and the last (apply) micro-step of each cycle
+    "middle_and_last": lambda k: k % N in (1, N - 1),
+    # the first micro-step of each cycle after the first: the sum the previous
+    # cycle left must not carry over
+    "first": lambda k: k >= N and k % N == 0,
+    # the whole second cycle: its update applies a zero gradient
+    "whole_cycle": lambda k: k // N == 1,
+}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("missing_at", sorted(MISSING))
 @pytest.mark.parametrize("mode", MODES)
-def test_none_gradients_count_as_zeros_and_are_still_applied(mode):
-    """Micro-step k gives `out/bias` no gradient; the mean still applies.
+def test_none_gradients_count_as_zeros_and_are_still_applied(mode, missing_at, traced):
+    """Some micro-steps give `out/bias` no gradient; the mean still applies.
 
     Reference: the plain optimizer applied to the mean of the micro-batch
-    gradients, with zeros where a micro-step had none.
+    gradients, with zeros where a micro-step had none. Traced, the steps with
+    and without the gradient are two traces of one `tf.function`.
     """
     x, y = make_data(B * N * CYCLES)
     make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
 
     def micro_grads(model, k, start):
         grads = [g.numpy() for g in _grads(model, x[start : start + B], y[start : start + B])]
-        # None on the middle and on the last (apply) micro-step of each cycle.
-        missing = k % N in (1, N - 1)
-        return grads, missing
+        return grads, MISSING[missing_at](k)
 
     ref_model, ref_opt = make_mlp(), make_opt()
     model, opt = make_mlp(), accumulate(make_opt(), N, mode=mode)
+    opt.build(model.trainable_variables)
+
+    def apply(grads):
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    if traced:
+        apply = tf.function(apply)
     bias_index = [v.path for v in model.trainable_variables].index("mlp/out/bias")
     k = 0
     for cycle in range(CYCLES):
@@ -308,7 +329,7 @@ def test_none_gradients_count_as_zeros_and_are_still_applied(mode):
             sub = [tf.constant(g) for g in sub_grads]
             if missing:
                 sub[bias_index] = None
-            opt.apply_gradients(zip(sub, model.trainable_variables))
+            apply(sub)
             k += 1
         ref_opt.apply_gradients(
             zip([tf.constant(t / N) for t in total], ref_model.trainable_variables)
