@@ -9,6 +9,7 @@ state is keyed by variable name.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -26,12 +27,19 @@ from tests.support import (
 
 __all__ = [
     "ATOL",
+    "GROW_LEGACY",
+    "GROW_N",
+    "GROW_PATTERNS",
     "RTOL",
     "assert_states_close",
     "assert_states_equal",
     "fit",
     "fit_pair",
     "full_state",
+    "grow_grads",
+    "grow_reference",
+    "grow_state",
+    "grow_variables",
     "make_data",
     "make_embedding_model",
     "make_mlp",
@@ -145,3 +153,57 @@ def mse_grads(model: tf_keras.Model, x, y):
     with tf.GradientTape() as tape:
         loss = tf_keras.losses.MeanSquaredError()(y, model(x, training=True))
     return tape.gradient(loss, model.trainable_variables)
+
+
+# ----------------------------------------------------------------------
+# An OptimizerV2 that grows: a loss-scale optimizer first calls it with only
+# the variables that have gradients, and it meets the others later.
+
+GROW_N = 2
+# The reference, the plain loss-scale optimizer fed each cycle's mean
+# gradient (the sum of the given micro-gradients over `n`), adds the same
+# float32 values: states agree bit for bit.
+# Micro-gradient patterns, two micro-steps per cycle: "a" and "b" have a
+# gradient, "-" has None. `b` is first met on an in-between micro-step.
+GROW_PATTERNS = ["a-", "a-", "-b", "ab", "ab", "ab", "a-", "-b"]
+GROW_LEGACY = {
+    "sgd": lambda: tf_keras.optimizers.legacy.SGD(0.1),
+    "adam": lambda: tf_keras.optimizers.legacy.Adam(0.1),
+}
+
+
+def grow_variables():
+    # Different shapes: accumulators mixed up between variables cannot pass.
+    return [
+        tf.Variable(np.array([1.0, -2.0], np.float32), name="a"),
+        tf.Variable(np.array([0.5, 3.0, -1.0], np.float32), name="b"),
+    ]
+
+
+def grow_grads(k):
+    """Micro-step `k`'s gradients, `None` where its pattern says so."""
+    rng = np.random.default_rng(k)
+    pattern = GROW_PATTERNS[k]
+    shapes = [(2,), (3,)]
+    return [
+        tf.constant(rng.normal(size=shape).astype(np.float32)) if c != "-" else None
+        for c, shape in zip(pattern, shapes)
+    ]
+
+
+def grow_state(variables, opt):
+    return full_state(SimpleNamespace(weights=variables), opt)
+
+
+def grow_reference(make):
+    """The plain loss-scale optimizer fed every cycle's mean gradient."""
+    variables = grow_variables()
+    opt = tf_keras.mixed_precision.LossScaleOptimizer(make())
+    for start in range(0, len(GROW_PATTERNS), GROW_N):
+        cycle = [grow_grads(k) for k in range(start, start + GROW_N)]
+        mean = []
+        for per_variable in zip(*cycle):
+            given = [g for g in per_variable if g is not None]
+            mean.append(None if not given else tf.add_n(given) / GROW_N)
+        opt.apply_gradients(zip(mean, variables))
+    return grow_state(variables, opt)

@@ -11,23 +11,21 @@ import tf_keras
 
 from gradaccum import accumulate
 from tests.tf_keras.support import (
+    GROW_LEGACY,
+    GROW_N,
+    GROW_PATTERNS,
     assert_states_close,
     assert_states_equal,
     fit,
     full_state,
+    grow_grads,
+    grow_reference,
+    grow_state,
+    grow_variables,
     make_data,
     make_mlp,
 )
 from tests.support import MODES, mirrored
-from tests.tf_keras.test_mixed_precision import (
-    GROW_LEGACY,
-    GROW_N,
-    GROW_PATTERNS,
-    _grow_grads,
-    _grow_reference,
-    _grow_state,
-    _grow_variables,
-)
 
 N, B, CYCLES = 3, 8, 3
 LSO = tf_keras.mixed_precision.LossScaleOptimizer
@@ -113,7 +111,7 @@ def test_growing_under_mirrored_strategy(mode, kind, traced):
     pattern (each adds variables on its first trace only)."""
     strategy = _strategy()
     with strategy.scope():
-        variables = _grow_variables()
+        variables = grow_variables()
         opt = LSO(accumulate(GROW_LEGACY[kind](), GROW_N, mode=mode))
 
     def step(*given, at):
@@ -127,7 +125,7 @@ def test_growing_under_mirrored_strategy(mode, kind, traced):
 
     steps = {}
     for k, pattern in enumerate(GROW_PATTERNS):
-        grads = _grow_grads(k)
+        grads = grow_grads(k)
         at = tuple(i for i, g in enumerate(grads) if g is not None)
         given = [grads[i] for i in at]
         if not traced:
@@ -137,6 +135,6 @@ def test_growing_under_mirrored_strategy(mode, kind, traced):
             steps[pattern] = tf.function(lambda *given, at=at: step(*given, at=at))
         steps[pattern](*given)
     assert [v.name for v in opt.inner_optimizer._self_variables] == ["a:0", "b:0"]
-    acc = _grow_state(variables, opt)
+    acc = grow_state(variables, opt)
     assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
-    assert_states_equal(_grow_reference(GROW_LEGACY[kind]), acc)
+    assert_states_equal(grow_reference(GROW_LEGACY[kind]), acc)

@@ -1,7 +1,6 @@
 """tf_keras LossScaleOptimizer, around either optimizer family, both orders."""
 
 import contextlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,10 +9,17 @@ import tf_keras
 
 from gradaccum import AccumulatingOptimizer, accumulate
 from tests.tf_keras.support import (
+    GROW_LEGACY,
+    GROW_N,
+    GROW_PATTERNS,
     assert_states_close,
     assert_states_equal,
     fit,
     full_state,
+    grow_grads,
+    grow_reference,
+    grow_state,
+    grow_variables,
     make_data,
     make_mlp,
 )
@@ -244,57 +250,8 @@ def test_proxy_is_still_the_loss_scale_optimizer(kind):
 # `None` gradients, so the accumulating OptimizerV2 first meets only the
 # variables that have gradients, and grows when others get theirs.
 
-GROW_N = 2
-# The reference, the plain loss-scale optimizer fed each cycle's mean
-# gradient (the sum of the given micro-gradients over `n`), adds the same
-# float32 values: states agree bit for bit.
-# Micro-gradient patterns, two micro-steps per cycle: "a" and "b" have a
-# gradient, "-" has None. `b` is first met on an in-between micro-step.
-GROW_PATTERNS = ["a-", "a-", "-b", "ab", "ab", "ab", "a-", "-b"]
-GROW_LEGACY = {
-    "sgd": lambda: tf_keras.optimizers.legacy.SGD(0.1),
-    "adam": lambda: tf_keras.optimizers.legacy.Adam(0.1),
-}
-
-
-def _grow_variables():
-    # Different shapes: accumulators mixed up between variables cannot pass.
-    return [
-        tf.Variable(np.array([1.0, -2.0], np.float32), name="a"),
-        tf.Variable(np.array([0.5, 3.0, -1.0], np.float32), name="b"),
-    ]
-
-
-def _grow_grads(k):
-    """Micro-step `k`'s gradients, `None` where its pattern says so."""
-    rng = np.random.default_rng(k)
-    pattern = GROW_PATTERNS[k]
-    shapes = [(2,), (3,)]
-    return [
-        tf.constant(rng.normal(size=shape).astype(np.float32)) if c != "-" else None
-        for c, shape in zip(pattern, shapes)
-    ]
-
-
-def _grow_state(variables, opt):
-    return full_state(SimpleNamespace(weights=variables), opt)
-
-
-def _grow_reference(make):
-    """The plain loss-scale optimizer fed every cycle's mean gradient."""
-    variables, opt = _grow_variables(), LSO(make())
-    for start in range(0, len(GROW_PATTERNS), GROW_N):
-        cycle = [_grow_grads(k) for k in range(start, start + GROW_N)]
-        mean = []
-        for per_variable in zip(*cycle):
-            given = [g for g in per_variable if g is not None]
-            mean.append(None if not given else tf.add_n(given) / GROW_N)
-        opt.apply_gradients(zip(mean, variables))
-    return _grow_state(variables, opt)
-
-
 def _grow_step(opt, variables, k):
-    opt.apply_gradients(zip(_grow_grads(k), variables))
+    opt.apply_gradients(zip(grow_grads(k), variables))
 
 
 def _traced_grow_step(opt, variables):
@@ -314,13 +271,13 @@ def test_loss_scale_optimizer_around_an_unbuilt_accumulating_optimizer(kind, mod
     comes, and trains as the plain one does on the cycles' mean gradients.
     """
     make = GROW_LEGACY[kind]
-    variables = _grow_variables()
+    variables = grow_variables()
     opt = LSO(accumulate(make(), GROW_N, mode=mode))
     core = opt.inner_optimizer
     for k in range(len(GROW_PATTERNS)):
-        before = _grow_state(variables, opt)
+        before = grow_state(variables, opt)
         _grow_step(opt, variables, k)
-        after = _grow_state(variables, opt)
+        after = grow_state(variables, opt)
         if (k + 1) % GROW_N:
             # In-between micro-step: nothing the optimizer had moves, and the
             # slots it adds for a new variable stay as created.
@@ -330,9 +287,9 @@ def test_loss_scale_optimizer_around_an_unbuilt_accumulating_optimizer(kind, mod
             assert all(not np.any(after[key]) for key in slots)
     assert [v.name for v in core._self_variables] == ["a:0", "b:0"]
     assert [tuple(a.shape) for a in core._self_state.accumulators] == [(2,), (3,)]
-    acc = _grow_state(variables, opt)
+    acc = grow_state(variables, opt)
     assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
-    assert_states_equal(_grow_reference(make), acc)
+    assert_states_equal(grow_reference(make), acc)
 
 
 @pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
@@ -340,39 +297,39 @@ def test_growing_on_the_first_trace_of_a_tf_function(kind):
     """A `tf.function` may add variables on its first trace (one function
     per gradient pattern here, as one per task in multi-task training)."""
     make = GROW_LEGACY[kind]
-    variables = _grow_variables()
+    variables = grow_variables()
     opt = LSO(accumulate(make(), GROW_N))
     steps = {}
     for k, pattern in enumerate(GROW_PATTERNS):
         if pattern not in steps:
             steps[pattern] = _traced_grow_step(opt, variables)
-        steps[pattern](*_grow_grads(k))
+        steps[pattern](*grow_grads(k))
     assert len(steps) == 3
-    acc = _grow_state(variables, opt)
+    acc = grow_state(variables, opt)
     assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
-    assert_states_equal(_grow_reference(make), acc)
+    assert_states_equal(grow_reference(make), acc)
 
 
 def test_growing_on_a_later_trace_of_a_tf_function_is_refused():
     """A retrace cannot create variables: the error says to build first."""
-    variables = _grow_variables()
+    variables = grow_variables()
     opt = LSO(accumulate(GROW_LEGACY["adam"](), GROW_N))
     step = _traced_grow_step(opt, variables)
-    step(*_grow_grads(0))  # "a-": traced for `a` only
+    step(*grow_grads(0))  # "a-": traced for `a` only
     with pytest.raises(ValueError, match=r"first trace.*opt\.build\(model"):
-        step(*_grow_grads(2))  # "-b": traced anew, would add `b`
+        step(*grow_grads(2))  # "-b": traced anew, would add `b`
     core = opt.inner_optimizer
     assert len(core._self_variables) == len(core._self_state.accumulators) == 1
     # Built with all variables first, the same function works.
-    variables = _grow_variables()
+    variables = grow_variables()
     core = accumulate(GROW_LEGACY["adam"](), GROW_N)
     core.build(variables)
     opt = LSO(core)
     step = _traced_grow_step(opt, variables)
     for k in range(len(GROW_PATTERNS)):
-        step(*_grow_grads(k))
-    acc = _grow_state(variables, opt)
-    assert_states_equal(_grow_reference(GROW_LEGACY["adam"]), acc)
+        step(*grow_grads(k))
+    acc = grow_state(variables, opt)
+    assert_states_equal(grow_reference(GROW_LEGACY["adam"]), acc)
 
 
 # Saved after this micro-step: mid-cycle, after `b` was added, with both
@@ -381,7 +338,7 @@ GROW_SAVE_AFTER = 4
 
 
 def _grown_checkpoint(tmp_path, make):
-    variables = _grow_variables()
+    variables = grow_variables()
     opt = LSO(accumulate(make(), GROW_N))
     for k in range(GROW_SAVE_AFTER + 1):
         _grow_step(opt, variables, k)
@@ -402,7 +359,7 @@ def test_checkpoint_of_a_grown_accumulating_optimizer_resumes_the_cycle(
     in that order, the cycle resumes as if never interrupted."""
     make = GROW_LEGACY[kind]
     path, _ = _grown_checkpoint(tmp_path, make)
-    variables = _grow_variables()
+    variables = grow_variables()
     core = accumulate(make(), GROW_N)
     if built:
         core.build(variables)
@@ -415,9 +372,9 @@ def test_checkpoint_of_a_grown_accumulating_optimizer_resumes_the_cycle(
     for k in range(GROW_SAVE_AFTER + 1, len(GROW_PATTERNS)):
         _grow_step(opt, variables, k)
     status.assert_consumed()
-    acc = _grow_state(variables, opt)
+    acc = grow_state(variables, opt)
     assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
-    assert_states_equal(_grow_reference(make), acc)
+    assert_states_equal(grow_reference(make), acc)
 
 
 def test_restore_into_an_optimizer_that_has_not_met_a_saved_variable_is_refused(
@@ -427,7 +384,7 @@ def test_restore_into_an_optimizer_that_has_not_met_a_saved_variable_is_refused(
     make = GROW_LEGACY["adam"]
     path, saved = _grown_checkpoint(tmp_path, make)
     assert all(np.any(a) for a in saved)
-    variables = _grow_variables()
+    variables = grow_variables()
     opt = LSO(accumulate(make(), GROW_N))
     tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
     before = [v.numpy() for v in variables]
@@ -443,7 +400,7 @@ def test_restore_into_an_optimizer_that_has_not_met_a_saved_variable_is_refused(
 
 def test_traced_step_that_has_not_met_a_restored_variable_is_refused(tmp_path):
     path, saved = _grown_checkpoint(tmp_path, GROW_LEGACY["adam"])
-    variables = _grow_variables()
+    variables = grow_variables()
     opt = LSO(accumulate(GROW_LEGACY["adam"](), GROW_N))
     tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt).restore(path)
     before = [v.numpy() for v in variables]
