@@ -153,6 +153,13 @@ def variants(opt_name: str) -> dict[str, tuple[Callable[[], Any], int]]:
 # Time.
 
 
+def rotated(items: list, r: int) -> list:
+    """The order of round `r`: `items` rotated by `r`, reversed in odd rounds,
+    so that no variant keeps its place next to the same neighbours."""
+    order = items[r % len(items):] + items[: r % len(items)]
+    return order[::-1] if r % 2 else order
+
+
 def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies=COPIES):
     tf, _ = _tf()
     x, y = make_data(model_kind, batch * micro_steps)
@@ -176,9 +183,7 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
     cpu = {k: [] for k in names}
     wall = {k: [] for k in names}
     for r in range(rounds):
-        order = creation[r % len(creation) :] + creation[: r % len(creation)]
-        if r % 2:
-            order.reverse()
+        order = rotated(creation, r)
         spent = {k: [0.0, 0.0] for k in names}
         for key in order:
             model, ds = runs[key]
@@ -206,24 +211,35 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
     return out
 
 
+# (model, optimizer, B, micro-steps per fit, rounds)
+TIME_CASES = [
+    ("mlp", "adam", 8, 16 * N, 7),
+    ("mlp", "sgd", 8, 16 * N, 7),
+    # 8 cycles per fit: with 4, the A/A pair reached 1.06 in a full run.
+    # 15 rounds: single rounds of this case differ by up to 10% (with 7,
+    # three runs put the masked mode at 0.99, 1.07 and 1.08).
+    ("conv", "adam", 64, 8 * N, 15),
+]
+
+
+def _case_key(model_kind: str, opt_name: str, batch: int, jit: bool) -> str:
+    return f"{model_kind}/{opt_name}/B={batch}/{'jit' if jit else 'graph'}"
+
+
+def time_case_keys() -> list[str]:
+    return [_case_key(m, o, b, jit) for m, o, b, _, _ in TIME_CASES for jit in (False, True)]
+
+
 def run_time(quick: bool, log, only: list[str] | None = None,
              rounds: int | None = None) -> dict:
-    # (model, optimizer, B, micro-steps per fit, rounds)
-    cases = [
-        ("mlp", "adam", 8, 16 * N, 7),
-        ("mlp", "sgd", 8, 16 * N, 7),
-        # 8 cycles per fit: with 4, the A/A pair reached 1.06 in a full run.
-        # 15 rounds: single rounds of this case differ by up to 6% (with 7,
-        # three runs put the masked mode at 0.99, 1.07 and 1.08).
-        ("conv", "adam", 64, 8 * N, 15),
-    ]
+    cases = TIME_CASES
     if quick:
         cases = [(m, o, b, 2 * N, 3) for m, o, b, _, _ in cases]
     results = {}
     for model_kind, opt_name, batch, steps, case_rounds in cases:
         case_rounds = rounds or case_rounds
         for jit in (False, True):
-            key = f"{model_kind}/{opt_name}/B={batch}/{'jit' if jit else 'graph'}"
+            key = _case_key(model_kind, opt_name, batch, jit)
             if only and not any(part in key for part in only):
                 continue
             log(f"  time {key} ({steps} micro-steps x {case_rounds} rounds) ", end="")
@@ -602,6 +618,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be a positive integer, got {args.rounds}")
+    unmatched = [part for part in args.cases or []
+                 if not any(part in key for key in time_case_keys())]
+    if unmatched:
+        parser.error(f"--cases {unmatched} match no timing case; the cases are "
+                     f"{time_case_keys()}")
 
     if args.child:
         kind, variant, steps = args.child
@@ -617,8 +638,12 @@ def main(argv=None) -> None:
     parts = args.only or ["tracing", "memory", "growth", "time"]
     res: dict[str, Any] = {"machine": machine(), "quick": args.quick}
     load0 = os.getloadavg()[0]
-    runners = {"time": functools.partial(run_time, only=args.cases, rounds=args.rounds), "memory": run_memory,
-               "growth": run_growth, "tracing": run_tracing}
+    runners = {
+        "time": functools.partial(run_time, only=args.cases, rounds=args.rounds),
+        "memory": run_memory,
+        "growth": run_growth,
+        "tracing": run_tracing,
+    }
     for part in parts:
         res[part] = runners[part](args.quick, log)
     res["load"] = (load0, os.getloadavg()[0])

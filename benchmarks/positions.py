@@ -89,10 +89,7 @@ def main(argv=None) -> None:
     names = list(steps)
     cpu = {(name, p): [] for name in names for p in range(n)}
     for c in range(args.cycles):
-        order = names[c % len(names):] + names[: c % len(names)]
-        if c % 2:
-            order.reverse()
-        for name in order:
+        for name in bench.rotated(names, c):
             for p in range(n):
                 t0 = time.process_time()
                 steps[name]()
