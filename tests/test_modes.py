@@ -4,7 +4,8 @@ The equivalence with large-batch training for every optimizer, feature and
 execution mode is in `test_optimizers.py` and `test_semantics.py`, which run
 once per mode. Here: the `mode` argument, `MirroredStrategy` with two
 replicas, how the masked update masks (no snapshot of all state for Keras 3
-optimizers, the snapshot as fallback, nothing left behind), and tracing.
+optimizers, the snapshot as fallback, nothing left behind), skip mode's
+shared zero vectors, and tracing.
 """
 
 import keras
@@ -24,6 +25,7 @@ from tests.support import (
     fit_pair,
     full_state,
     make_data,
+    make_embedding_model,
     make_mlp,
     mirrored,
 )
@@ -239,6 +241,56 @@ def test_masked_writes_keep_the_sign_of_zero_and_non_finite_values():
             # Bit for bit: -0.0 is not 0.0, and NaN keeps its bits.
             np.testing.assert_array_equal(got.view("uint32"), special.view("uint32"))
     _assert_no_masks_left([var])
+
+
+# ----------------------------------------------------------------------
+# Skip mode's zero vectors.
+
+
+def test_skip_mode_zero_vectors_stay_zero_and_are_not_saved(tmp_path):
+    """After each update skip mode points the accumulators at a shared zero
+    vector; adding or scattering into them must copy it first.
+
+    An embedding (its gradients scattered in place, rows repeating) and a
+    dense layer, over several cycles, against large-batch training with
+    SGD and momentum (linear in the gradient, so repeated rows make no
+    difference). Then the vector still holds zeros, the accumulators read
+    as zeros, and a checkpoint holds exactly what a masked-mode one holds.
+    """
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 8, size=(B * N * CYCLES, 3)).astype("int32")
+    y = rng.normal(size=(len(x), 2)).astype("float32")
+    make = lambda: keras.optimizers.SGD(0.5, momentum=0.9)  # noqa: E731
+    ref, acc, model, opt = fit_pair(
+        make, n=N, make_model=make_embedding_model, data=(x, y), mode="skip"
+    )
+    assert_states_close(ref, acc)
+    zeros = opt._self_zeros
+    accumulators = opt._self_state.accumulators
+    longest = max(a.shape.num_elements() for a in accumulators)
+    assert list(zeros) == [tf.float32]
+    assert zeros[tf.float32].shape == (longest,)
+    assert not np.any(zeros[tf.float32].numpy())
+    for a in accumulators:
+        assert not np.any(a.numpy())
+
+    def saved(opt, name):
+        path = tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / name))
+        return sorted(key for key, _ in tf.train.list_variables(path))
+
+    masked = accumulate(make(), N)
+    masked.build(model.trainable_variables)
+    assert saved(opt, "skip") == saved(masked, "masked")
+
+
+def test_only_skip_mode_has_zero_vectors():
+    model = make_mlp()
+    masked = accumulate(keras.optimizers.Adam(), N)
+    masked.build(model.trainable_variables)
+    assert masked._self_zeros is None
+    skip = accumulate(keras.optimizers.Adam(), N, mode="skip")
+    skip.build(model.trainable_variables)
+    assert skip._self_zeros is not None
 
 
 # ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from gradaccum import AccumulatingOptimizer, accumulate
 from tests.support import (
+    MODES,
     assert_states_close,
     assert_states_equal,
     fit,
@@ -32,9 +33,9 @@ def _step(model, opt, k):
     opt.apply_gradients(zip(grads, model.trainable_variables))
 
 
-def _fresh(n=N, reduction="mean", build=True):
+def _fresh(n=N, reduction="mean", build=True, mode="masked"):
     model = make_mlp()
-    opt = accumulate(_adam(), n, reduction=reduction)
+    opt = accumulate(_adam(), n, reduction=reduction, mode=mode)
     if build:
         opt.build(model.trainable_variables)
     return model, opt
@@ -259,8 +260,9 @@ def test_model_checkpoint_mid_cycle(tmp_path):
 # Exports for inference
 
 
-def test_saved_model_and_export_with_accumulating_optimizer(tmp_path):
-    model, opt = _fresh(build=False)
+@pytest.mark.parametrize("mode", MODES)
+def test_saved_model_and_export_with_accumulating_optimizer(tmp_path, mode):
+    model, opt = _fresh(build=False, mode=mode)
     fit(model, opt, X[:B * 4], Y[:B * 4], B)
     expected = model.predict(X[:5], verbose=0)
     serve = tf.function(

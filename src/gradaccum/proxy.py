@@ -38,7 +38,12 @@ from gradaccum.serialization import (
     _Saveable,
     _install_keras_serialization,
 )
-from gradaccum.skipping import _skipped_update
+from gradaccum.skipping import (
+    _cleared_if,
+    _shares_zeros,
+    _skipped_update,
+    _zero_buffers,
+)
 
 
 def _accumulator_dtype(variable: Any) -> tf.DType:
@@ -168,6 +173,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         self._self_reduction = reduction
         self._self_mode = mode
         self._self_state: _AccumulationState | None = None
+        # Skip mode without growth: zero vectors the accumulators are
+        # pointed at after each update (see `gradaccum.skipping`).
+        self._self_zeros: dict[tf.DType, tf.Variable] | None = None
         self._self_variables: list[Any] = []
         self._self_index: dict[Any, int] = {}
         # Indices of variables that have received a gradient: they take part
@@ -328,6 +336,12 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             accumulators = self._new_accumulators(variables)
             micro_step = _mirrored_counter(0, name="micro_step")
             weight_total = _replica_local(tf.constant(0.0), name="weight_total")
+            if (
+                self._self_mode == "skip"
+                and not adapter.grows
+                and all(_shares_zeros(a) for a in accumulators)
+            ):
+                self._self_zeros = _zero_buffers(accumulators)
             if self._self_schedule is None:
                 self._self_n_variable = _mirrored_counter(self._self_n, name="n")
         self._self_variables = variables
@@ -648,7 +662,13 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             self._self_core._self_pending_weight = None
 
     def _accumulate(self, grads: list[Any], indices: list[int], weight: Any) -> None:
+        """Adds one micro-step's (weighted) gradients to the accumulators.
+
+        In place, or into new tensors in skip mode with zero buffers (see
+        `gradaccum.skipping`).
+        """
         state = self._self_state
+        into_new = self._self_zeros is not None
         if weight is not None:
             self._self_weighted = True
             weight = tf.cast(weight, tf.float32)
@@ -665,7 +685,11 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
                 )
             else:
                 g = tf.cast(g, acc.dtype)
-                acc.assign_add(g if w is None else g * w)
+                g = g if w is None else g * w
+                if into_new:
+                    acc.assign(acc.value() + g, read_value=False)
+                else:
+                    acc.assign_add(g)
             self._self_seen.add(i)
         state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
 
@@ -676,7 +700,8 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         `"mean"`) and the update reads the accumulators themselves: no
         second copy of the accumulated gradients is allocated (see
         `_divide_in_place`). Masked, an in-between step's update reads the
-        undivided sums; its result is discarded anyway.
+        undivided sums; its result is discarded anyway. Skipped with zero
+        buffers, see `_skip_and_clear`.
         """
         adapter = self._self_adapter
         state = self._self_state
@@ -699,7 +724,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             ]
             adapter.apply_accumulated(grads, variables, **options)
 
-        if self._self_mode == "skip":
+        if self._self_zeros is not None:
+            self._skip_and_clear(keep_new, included)
+        elif self._self_mode == "skip":
 
             def apply_and_clear(keep_new: tf.Tensor) -> None:
                 divisor = self._mean_divisor()
@@ -729,6 +756,36 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             )
             _zero_if(keep_new, cleared, after=written)
         state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
+
+    def _skip_and_clear(self, keep_new: tf.Tensor, included: list[int]) -> None:
+        """Skip mode with zero buffers (see `gradaccum.skipping`).
+
+        The update takes reads of the accumulators as inputs of its branch
+        and divides them into new tensors, which its own arithmetic can
+        write into.
+        """
+        adapter = self._self_adapter
+        state = self._self_state
+        accumulators = [state.accumulators[i] for i in included]
+        variables = [self._self_variables[i] for i in included]
+        # `read_value()`: see `apply_accumulated` in `_finish_cycle_if`.
+        values = [a.read_value() for a in accumulators]
+        divisor = self._mean_divisor()
+        # Read here, not in the branch: a branch that reads the weight total
+        # would make the clearing below wait for the whole update.
+        inputs = [values] if divisor is None else [values, divisor()]
+        options = self._self_apply_options
+
+        def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
+            grads = []
+            for value, v in zip(values, variables):
+                if divisor is not None:
+                    value = value / tf.cast(divisor, value.dtype)
+                grads.append(tf.cast(value, tf.as_dtype(v.dtype)))
+            adapter.apply_accumulated(grads, variables, **options)
+
+        _skipped_update(keep_new, apply_sums, *inputs)
+        _cleared_if(keep_new, accumulators + [state.weight_total], self._self_zeros)
 
     def _check_unmet(self, ends_cycle: Callable[[], tf.Tensor]) -> None:
         """Refuses to end a cycle without restored sums it cannot hold yet.

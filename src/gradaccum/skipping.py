@@ -13,13 +13,37 @@ Keras's `LossScaleOptimizer` does:
 
 Each replica computes the same `keep_new` (from the mirrored micro-step
 counter), so every replica takes the same branch.
+
+On an optimizer whose accumulators are all made at `build` (not a tf_keras
+OptimizerV2, whose accumulators grow), the apply step costs what Keras's
+own `gradient_accumulation_steps` step does, by taking the same path
+through memory:
+
+- every micro-step adds into a new tensor (`acc = acc + g`, which may take
+  over the gradient's buffer) instead of adding in place;
+- the update's branch takes reads of the accumulators (and of the weight
+  total) as inputs instead of reading them itself: a branch that touches a
+  variable waits for every earlier write to it, so the first variable's
+  update would wait for every gradient to be added, and the clearing below
+  for the whole update. It divides them into new tensors, which its own
+  arithmetic can write into;
+- after the update each accumulator is pointed at a shared vector of zeros
+  (`_zero_buffers`) instead of being filled with zeros: nothing is written,
+  and the next micro-step's addition reads the zeros and writes a new
+  tensor. Keras assigns a zeros constant of each variable's shape; the
+  shared vector is as long as the longest accumulator only.
+
+Memory, then, is about what Keras's option takes: the accumulators, the zero
+vector, and while a micro-step adds, each new sum next to the old one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
+
+from gradaccum.distribution import _replica_local
 
 
 def _skipped_update(
@@ -57,6 +81,49 @@ def _skipped_update(
         tf.cond(keep, run_on_each_replica, _nothing)
 
     tf.distribute.get_replica_context().merge_call(decide, args=(keep_new, *args))
+
+
+def _zero_buffers(accumulators: Sequence[tf.Variable]) -> dict[tf.DType, tf.Variable]:
+    """One replica-local vector of zeros per dtype, as long as the longest
+    accumulator of that dtype (float32 at least one long, for the weight
+    total). Create inside `gradaccum.distribution._creation_scope`; nothing
+    writes them, and checkpoints do not hold them.
+    """
+    sizes: dict[tf.DType, int] = {tf.float32: 1}
+    for a in accumulators:
+        dtype = a.dtype.base_dtype
+        sizes[dtype] = max(sizes.get(dtype, 1), a.shape.num_elements())
+    return {
+        dtype: _replica_local(tf.zeros([size], dtype=dtype), name="zeros")
+        for dtype, size in sizes.items()
+    }
+
+
+def _shares_zeros(variable: tf.Variable) -> bool:
+    """Whether `_cleared_if` can point `variable` at a zero buffer."""
+    return variable.shape.is_fully_defined()
+
+
+def _cleared_if(
+    keep_new: tf.Tensor,
+    variables: Sequence[tf.Variable],
+    zeros: dict[tf.DType, tf.Variable],
+) -> None:
+    """If `keep_new`, makes each replica-local variable read as zeros.
+
+    Each variable takes a reshaped leading slice of the zero vector of its
+    dtype, which shares that vector's buffer: no allocation, no write.
+    TensorFlow copies a shared buffer before anything writes into it, so
+    the zeros stay zeros. The branch synchronises nothing.
+    """
+
+    def clear() -> None:
+        for v in variables:
+            size = v.shape.num_elements()
+            flat = zeros[v.dtype.base_dtype].value()[:size]
+            v.assign(tf.reshape(flat, v.shape), read_value=False)
+
+    tf.cond(keep_new, clear, _nothing)
 
 
 def _nothing() -> None:

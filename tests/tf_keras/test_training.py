@@ -11,6 +11,7 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import accumulate
+from tests.support import MODES
 from tests.tf_keras.support import (
     assert_states_close,
     assert_states_equal,
@@ -40,7 +41,14 @@ def _batches(x, y, size):
 
 
 def _custom_loop_pair(
-    make_optimizer, n, step, micro_batch=4, cycles=3, make_model=make_mlp, data=None
+    make_optimizer,
+    n,
+    step,
+    micro_batch=4,
+    cycles=3,
+    make_model=make_mlp,
+    data=None,
+    mode="masked",
 ):
     """Reference and subject trained by `step(model, opt, x, y)` per batch.
 
@@ -52,7 +60,7 @@ def _custom_loop_pair(
     ref_model, ref_opt = make_model(), make_optimizer()
     for xb, yb in _batches(x, y, micro_batch * n):
         step(ref_model, ref_opt, xb, yb)
-    model, opt = make_model(), accumulate(make_optimizer(), n)
+    model, opt = make_model(), accumulate(make_optimizer(), n, mode=mode)
     in_between = []
     for i, (xb, yb) in enumerate(_batches(x, y, micro_batch)):
         before = full_state(model, opt) if i >= n else None
@@ -200,16 +208,29 @@ def test_variable_constraints_act_once_per_cycle(make):
     "make",
     BOTH_ADAM + [pytest.param(lambda: legacy.Adagrad(0.1), id="legacy_adagrad")],
 )
-def test_sparse_embedding_gradients(make):
+@pytest.mark.parametrize("mode", MODES)
+def test_sparse_embedding_gradients(make, mode):
     rng = np.random.default_rng(1)
     x = rng.integers(0, 20, size=(36, 3)).astype("int32")
     y = rng.normal(size=(36, 2)).astype("float32")
     ref, acc, in_between = _custom_loop_pair(
-        make, 3, _sparse_step, make_model=make_embedding_model, data=(x, y)
+        make, 3, _sparse_step, make_model=make_embedding_model, data=(x, y), mode=mode
     )
     assert_states_close(ref, acc)
     for before, after in in_between:
         assert_states_equal(before, after)
+
+
+def test_skip_mode_has_zero_vectors_unless_accumulators_grow():
+    """See `gradaccum.skipping`: an OptimizerV2 adds accumulators as it meets
+    variables, so skip mode clears its accumulators by writing zeros."""
+    model = make_mlp()
+    x, y = make_data(4)
+    for make, shares in ((new.Adam, True), (legacy.Adam, False)):
+        opt = accumulate(make(1e-2), 3, mode="skip")
+        grads = mse_grads(model, x, y)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        assert (opt._self_zeros is not None) is shares, make
 
 
 def _sparse_step(model, opt, x, y):
