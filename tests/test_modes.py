@@ -283,6 +283,40 @@ def test_skip_mode_zero_vectors_stay_zero_and_are_not_saved(tmp_path):
     assert saved(opt, "skip") == saved(masked, "masked")
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_skip_mode_quotients_equal_division_bit_for_bit(dtype, traced):
+    """Skip mode multiplies by the reciprocal where the divisor is a power
+    of two; the quotients must be exactly those of TensorFlow's division
+    (which, like every CPU kernel of TensorFlow, flushes subnormals to
+    zero), also for signed-zero, infinite and NaN values."""
+    from gradaccum.skipping import _quotients
+
+    info = np.finfo(dtype)
+    rng = np.random.default_rng(5)
+    special = np.array(
+        [0.0, -0.0, np.inf, -np.inf, np.nan, info.tiny, info.tiny / 8, -info.tiny / 3,
+         info.max, -info.max, 1.0, 3.0, 1 / 3],
+        dtype=dtype,
+    )
+    values = [np.concatenate([special, rng.normal(size=200).astype(dtype)]),
+              (rng.normal(size=(7, 5)) * 1e-30).astype(dtype)]
+
+    def divided(values, divisor):
+        return [v / tf.cast(divisor, v.dtype) for v in values]
+
+    run = tf.function if traced else (lambda f: f)
+    quotients, divided = run(_quotients), run(divided)
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    for divisor in [1.0, 2.0, 4.0, 3.0, 6.0, 2.5, 0.25, 2.0**-60, 2.0**100]:
+        inputs = [tf.constant(v) for v in values], tf.constant(divisor, tf.float32)
+        for got, expected in zip(quotients(*inputs), divided(*inputs)):
+            assert got.dtype == tf.as_dtype(dtype)
+            np.testing.assert_array_equal(
+                got.numpy().view(bits), expected.numpy().view(bits), err_msg=str(divisor)
+            )
+
+
 def test_only_skip_mode_has_zero_vectors():
     model = make_mlp()
     masked = accumulate(keras.optimizers.Adam(), N)

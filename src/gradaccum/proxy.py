@@ -40,6 +40,7 @@ from gradaccum.serialization import (
 )
 from gradaccum.skipping import (
     _cleared_if,
+    _quotients,
     _shares_zeros,
     _skipped_update,
     _zero_buffers,
@@ -777,11 +778,9 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         options = self._self_apply_options
 
         def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
-            grads = []
-            for value, v in zip(values, variables):
-                if divisor is not None:
-                    value = value / tf.cast(divisor, value.dtype)
-                grads.append(tf.cast(value, tf.as_dtype(v.dtype)))
+            if divisor is not None:
+                values = _quotients(values, divisor)
+            grads = [tf.cast(g, tf.as_dtype(v.dtype)) for g, v in zip(values, variables)]
             adapter.apply_accumulated(grads, variables, **options)
 
         _skipped_update(keep_new, apply_sums, *inputs)
