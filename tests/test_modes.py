@@ -288,8 +288,8 @@ def test_skip_mode_zero_vectors_stay_zero_and_are_not_saved(tmp_path):
 def test_skip_mode_quotients_equal_division_bit_for_bit(dtype, traced):
     """Skip mode multiplies by the reciprocal where the divisor is a power
     of two; the quotients must be exactly those of TensorFlow's division
-    (which, like every CPU kernel of TensorFlow, flushes subnormals to
-    zero), also for signed-zero, infinite and NaN values."""
+    (which on CPU flushes subnormals to zero, unlike NumPy's), also for
+    signed-zero, infinite and NaN values."""
     from gradaccum.skipping import _quotients
 
     info = np.finfo(dtype)
