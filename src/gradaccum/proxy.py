@@ -714,19 +714,22 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
         cleared = accumulators + [state.weight_total]
         options = self._self_apply_options
 
-        def apply_accumulated() -> None:
+        def apply(values: list[tf.Tensor]) -> None:
+            grads = [tf.cast(g, tf.as_dtype(v.dtype)) for g, v in zip(values, variables)]
+            adapter.apply_accumulated(grads, variables, **options)
+
+        def read(accumulators: list[tf.Variable]) -> list[tf.Tensor]:
             # In replica context: each replica reads its own accumulators.
             # `read_value()`, not `value()`: under MultiWorkerMirroredStrategy
             # the gradient all-reduce needs a read placed on the variable's
             # device. Either read shares the variable's buffer.
-            grads = [
-                tf.cast(a.read_value(), tf.as_dtype(v.dtype))
-                for a, v in zip(accumulators, variables)
-            ]
-            adapter.apply_accumulated(grads, variables, **options)
+            return [a.read_value() for a in accumulators]
+
+        def apply_accumulated() -> None:
+            apply(read(accumulators))
 
         if self._self_zeros is not None:
-            self._skip_and_clear(keep_new, included)
+            self._skip_and_clear(keep_new, read(accumulators), cleared, apply)
         elif self._self_mode == "skip":
 
             def apply_and_clear(keep_new: tf.Tensor) -> None:
@@ -758,33 +761,29 @@ class AccumulatingOptimizer(_Saveable, wrapt.ObjectProxy):
             _zero_if(keep_new, cleared, after=written)
         state.micro_step.assign(_select(keep_new, tf.zeros_like(count), count))
 
-    def _skip_and_clear(self, keep_new: tf.Tensor, included: list[int]) -> None:
+    def _skip_and_clear(
+        self,
+        keep_new: tf.Tensor,
+        values: list[tf.Tensor],
+        cleared: list[tf.Variable],
+        apply: Callable[[list[tf.Tensor]], None],
+    ) -> None:
         """Skip mode with zero buffers (see `gradaccum.skipping`).
 
-        The update takes reads of the accumulators as inputs of its branch
-        and divides them into new tensors, which its own arithmetic can
-        write into.
+        The update takes `values`, reads of the accumulators, as inputs of
+        its branch and `apply`s their quotients, new tensors that its own
+        arithmetic can write into; then `cleared` are pointed at zeros.
         """
-        adapter = self._self_adapter
-        state = self._self_state
-        accumulators = [state.accumulators[i] for i in included]
-        variables = [self._self_variables[i] for i in included]
-        # `read_value()`: see `apply_accumulated` in `_finish_cycle_if`.
-        values = [a.read_value() for a in accumulators]
         divisor = self._mean_divisor()
         # Read here, not in the branch: a branch that reads the weight total
         # would make the clearing below wait for the whole update.
         inputs = [values] if divisor is None else [values, divisor()]
-        options = self._self_apply_options
 
         def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
-            if divisor is not None:
-                values = _quotients(values, divisor)
-            grads = [tf.cast(g, tf.as_dtype(v.dtype)) for g, v in zip(values, variables)]
-            adapter.apply_accumulated(grads, variables, **options)
+            apply(values if divisor is None else _quotients(values, divisor))
 
         _skipped_update(keep_new, apply_sums, *inputs)
-        _cleared_if(keep_new, accumulators + [state.weight_total], self._self_zeros)
+        _cleared_if(keep_new, cleared, self._self_zeros)
 
     def _check_unmet(self, ends_cycle: Callable[[], tf.Tensor]) -> None:
         """Refuses to end a cycle without restored sums it cannot hold yet.
