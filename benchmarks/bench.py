@@ -25,12 +25,16 @@ optimizer: its ratio shows the noise. Every variant trains on the same
 samples per `fit`, so a ratio is a ratio of time per micro-batch of B
 samples (for "plain B*n", per B samples of its B*n batches).
 
-Memory: every variant runs in a fresh process on a model of about 25M
-parameters. Big buffers are returned to the system when freed
-(`MALLOC_MMAP_THRESHOLD_`), so the peak resident set size follows the live
-tensors. After warm-up the peak is reset (`/proc/self/clear_refs`) and
-measured over the following micro-steps. "extra" is a variant's peak minus
-the plain optimizer's peak, in multiples of the parameter bytes.
+Memory: every variant runs in fresh processes (9 each, the variants taking
+turns) on a model of about 25M parameters; each figure is the median over
+its processes. Two peaks are measured over the micro-steps after warm-up:
+that of TensorFlow's allocator (the live tensors) and the peak resident set
+size (reset by `/proc/self/clear_refs`). TensorFlow keeps the memory of
+freed tensors resident (256 MiB of freed tensors stay resident, with or
+without `MALLOC_MMAP_THRESHOLD_`), so the resident peak is the highest the
+process held at any time, warm-up included, in steps of whole buffers.
+"extra" is a variant's peak minus the plain optimizer's peak, in multiples
+of the parameter bytes.
 
 Growth: 5,000 micro-steps of `fit` in a fresh process, resident set size
 sampled every 250 steps.
@@ -328,6 +332,8 @@ def memory_child(variant: str, steps: int) -> dict:
 
 def _child(args: list[str]) -> dict:
     env = dict(os.environ)
+    # What malloc frees goes back to the system at once (TensorFlow's freed
+    # tensors stay resident regardless: see the module docstring).
     env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     env["MALLOC_TRIM_THRESHOLD_"] = str(128 * 1024)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -349,22 +355,34 @@ def run_memory(quick: bool, log) -> dict:
     """Each variant in fresh processes; medians over repeats.
 
     The peak depends on the order in which TensorFlow's executor happens to
-    run independent operations, so it varies from run to run.
+    run independent operations, so it varies from process to process, and
+    freed tensor memory stays resident: the peak resident set size is the
+    highest the process ever held, in steps of whole buffers. The variants
+    take turns (one process of each, in an order rotated per repeat), so
+    drift over the run falls on all of them alike.
     """
     steps = 4 * N if quick else 8 * N
-    # The peak resident set size of identical runs ranged over 0.85x-1.7x of
-    # the parameter bytes above plain: 5 processes per variant.
-    repeats = 1 if quick else 5
+    # Identical processes differ by up to 0.7x of the parameter bytes in peak
+    # resident set size (one buffer of the largest variable more or less):
+    # 9 processes per variant.
+    repeats = 1 if quick else 9
     names = ["plain B", "masked", "skip", "keras", "masked, snapshot fallback"]
+    log(f"  memory: {len(names)} variants x {repeats} processes "
+        f"({steps} micro-steps each, ~25M parameters) ", end="")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for rep in range(repeats):
+        for name in rotated(names, rep):
+            runs[name].append(_child(["memory", name, str(steps)]))
+            log(".", end="")
+    log("")
     results = {}
     for name in names:
-        log(f"  memory {name!r} ({steps} micro-steps, ~25M parameters, {repeats}x)")
-        runs = [_child(["memory", name, str(steps)]) for _ in range(repeats)]
-        r = dict(runs[0])
+        r = dict(runs[name][0])
         for key in ("peak_kib", "tf_peak_bytes", "tf_peak_in_between_bytes", "tf_before_bytes",
                     "rss_before_kib"):
-            r[key] = float(np.median([run[key] for run in runs]))
-            r[key + "_runs"] = [run[key] for run in runs]
+            values = [run[key] for run in runs[name]]
+            r[key] = float(np.median(values))
+            r[key + "_runs"] = values
         results[name] = r
     base = results["plain B"]
     for name, r in results.items():
