@@ -1,11 +1,11 @@
 """Speed and memory of `accumulate()` against the plain optimizer and Keras's
 built-in `gradient_accumulation_steps`, with each target and pass/fail.
 
-    python benchmarks/bench.py            # full run (roughly 40 minutes on 2 cores)
+    python benchmarks/bench.py            # full run (roughly 45 minutes on 2 cores)
     python benchmarks/bench.py --quick    # smoke run (a few minutes)
     python benchmarks/bench.py --only time memory growth tracing
     python benchmarks/bench.py --only time --cases conv   # some timing cases
-    python benchmarks/bench.py --only time --cases conv/adam/B=64/graph --rounds 15
+    python benchmarks/bench.py --only time --cases conv/adam/B=64/graph --rounds 300
 
 Method
 ------
@@ -14,16 +14,23 @@ Time: every variant of a case lives in one process, each with its own model
 (traced) first. Each variant exists twice, the copies created in order and
 then in reverse order: identical variants were measured up to 4% apart
 depending on when they were created, and the two copies cancel that. Each
-round times one `model.fit` over the same samples for every copy, in an
-order rotated from round to round, and divides each variant's time (the
-mean of its copies) by the plain optimizer's in that round; the table gives
-the median of these per-round ratios, so drift and load spikes that last
-longer than one round cancel. Process CPU time (all threads) is steadier
-than wall time under load from other processes; both are reported, targets
-are judged on CPU time. "plain B (A/A)" is a second, identical plain
-optimizer: its ratio shows the noise. Every variant trains on the same
-samples per `fit`, so a ratio is a ratio of time per micro-batch of B
-samples (for "plain B*n", per B samples of its B*n batches).
+round runs one `model.fit` of one cycle (n micro-steps) for every copy, in
+an order rotated from round to round, so the variants take turns every few
+tenths of a second. A callback takes the process CPU time (all threads) of
+each call of the train function; per round, each variant's train-step time
+(the mean of its copies) is divided by the plain optimizer's, and the table
+gives the median of these per-round ratios with a 95% bootstrap interval
+over rounds. Drift and load from other processes that last longer than a
+round cancel; CPU time is steadier than wall time under such load. The wall
+time of each whole `fit` is reported beside it. "plain B (A/A)" is a
+second, identical plain optimizer: its ratio shows the noise. Every variant
+trains on the same samples per `fit`, so a ratio is a ratio of time per
+micro-batch of B samples (for "plain B*n", per B samples of its B*n
+batches).
+
+A target on time or memory passes only if its whole 95% interval (over
+rounds, or over processes) is within the goal, fails if all of it is
+beyond, and is "within noise" otherwise.
 
 Memory: every variant runs in fresh processes (9 each, the variants taking
 turns) on a model of about 25M parameters; each figure is the median over
@@ -164,6 +171,25 @@ def rotated(items: list, r: int) -> list:
     return order[::-1] if r % 2 else order
 
 
+def _step_timer():
+    """A Keras callback recording the process CPU time of every train step
+    (`.seconds`, in order; one step is one call of the train function)."""
+    _, keras = _tf()
+
+    class StepTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seconds: list[float] = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.process_time()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seconds.append(time.process_time() - self._start)
+
+    return StepTimer()
+
+
 def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies=COPIES):
     tf, _ = _tf()
     x, y = make_data(model_kind, batch * micro_steps)
@@ -181,48 +207,53 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
         model = make_model(model_kind)
         model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit)
         ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * factor).cache()
-        for _ in range(2):  # trace, then one untimed run
+        for _ in range(3):  # trace, then untimed runs
             model.fit(ds, epochs=1, verbose=0)
-        runs[name, c] = (model, ds)
+        runs[name, c] = (model, ds, _step_timer())
+    # Per round, per variant (mean of its copies): CPU seconds of the train
+    # steps of one `fit`, and CPU and wall seconds of the whole `fit`.
+    steps_cpu = {k: [] for k in names}
     cpu = {k: [] for k in names}
     wall = {k: [] for k in names}
     for r in range(rounds):
-        order = rotated(creation, r)
-        spent = {k: [0.0, 0.0] for k in names}
-        for key in order:
-            model, ds = runs[key]
+        spent = {k: [0.0, 0.0, 0.0] for k in names}
+        for key in rotated(creation, r):
+            model, ds, timer = runs[key]
             c0, w0 = time.process_time(), time.perf_counter()
-            model.fit(ds, epochs=1, verbose=0)
-            spent[key[0]][0] += time.process_time() - c0
-            spent[key[0]][1] += time.perf_counter() - w0
-        for k in names:  # per fit of one copy
-            cpu[k].append(spent[k][0] / copies)
-            wall[k].append(spent[k][1] / copies)
-        log(".", end="")
+            model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
+            spent[key[0]][1] += time.process_time() - c0
+            spent[key[0]][2] += time.perf_counter() - w0
+            spent[key[0]][0] += sum(timer.seconds[-(micro_steps // made[key[0]][1]):])
+        for k in names:
+            steps_cpu[k].append(spent[k][0] / copies)
+            cpu[k].append(spent[k][1] / copies)
+            wall[k].append(spent[k][2] / copies)
+        if r % 10 == 9:
+            log(".", end="")
     log("")
-    base_cpu, base_wall = np.array(cpu["plain B"]), np.array(wall["plain B"])
-    out = {"_rounds": {"cpu_s": cpu, "wall_s": wall}}
+    out = {"_rounds": {"steps_cpu_s": steps_cpu, "cpu_s": cpu, "wall_s": wall}}
     for name in names:
-        rc = np.array(cpu[name]) / base_cpu
-        rw = np.array(wall[name]) / base_wall
+        rc = _round_ratios(out, name, "plain B")
+        rw = np.array(wall[name]) / np.array(wall["plain B"])
         out[name] = {
             "cpu_ratio": float(np.median(rc)),
-            "cpu_ratio_iqr": [float(np.percentile(rc, 25)), float(np.percentile(rc, 75))],
+            "cpu_ratio_ci": list(_bootstrap_ci([rc], _median)),
             "wall_ratio": float(np.median(rw)),
-            "cpu_ms_per_micro_step": 1000 * float(np.median(cpu[name])) / micro_steps,
+            "cpu_ms_per_micro_step": 1000 * float(np.median(steps_cpu[name])) / micro_steps,
             "wall_ms_per_micro_step": 1000 * float(np.median(wall[name])) / micro_steps,
         }
     return out
 
 
-# (model, optimizer, B, micro-steps per fit, rounds)
+# (model, optimizer, B, micro-steps per fit, rounds). One cycle per `fit`,
+# so that the variants take turns every few tenths of a second: with 64
+# micro-steps per `fit`, the A/A ratio of single rounds spread 0.88-1.36 on
+# a busy machine and 40 rounds left the skip target's interval 1.01-1.08;
+# one cycle per `fit`, 150 rounds gave the A/A pair 0.99-1.01.
 TIME_CASES = [
-    ("mlp", "adam", 8, 16 * N, 7),
-    ("mlp", "sgd", 8, 16 * N, 7),
-    # 8 cycles per fit: with 4, the A/A pair reached 1.06 in a full run.
-    # 15 rounds: single rounds of this case differ by up to 10% (with 7,
-    # three runs put the masked mode at 0.99, 1.07 and 1.08).
-    ("conv", "adam", 64, 8 * N, 15),
+    ("mlp", "adam", 8, N, 150),
+    ("mlp", "sgd", 8, N, 150),
+    ("conv", "adam", 64, N, 100),
 ]
 
 
@@ -238,7 +269,7 @@ def run_time(quick: bool, log, only: list[str] | None = None,
              rounds: int | None = None) -> dict:
     cases = TIME_CASES
     if quick:
-        cases = [(m, o, b, 2 * N, 3) for m, o, b, _, _ in cases]
+        cases = [(m, o, b, N, 5) for m, o, b, _, _ in cases]
     results = {}
     for model_kind, opt_name, batch, steps, case_rounds in cases:
         case_rounds = rounds or case_rounds
@@ -522,14 +553,63 @@ def machine() -> dict:
     }
 
 
-def _paired_ratio(case: dict, a: str, b: str) -> float:
-    """Median over rounds of variant `a`'s CPU time over variant `b`'s."""
-    rounds = case["_rounds"]["cpu_s"]
-    return float(np.median(np.array(rounds[a]) / np.array(rounds[b])))
+def _round_ratios(case: dict, a: str, b: str) -> np.ndarray:
+    """Per round, variant `a`'s CPU time of the train steps over variant `b`'s."""
+    steps = case["_rounds"]["steps_cpu_s"]
+    return np.array(steps[a]) / np.array(steps[b])
+
+
+def _bootstrap_ci(
+    samples: list[np.ndarray],
+    statistic: Callable[..., np.ndarray],
+    level: float = 0.95,
+    resamples: int = 10_000,
+) -> tuple[float, float]:
+    """Bootstrap confidence interval of `statistic(*samples)`.
+
+    Each sample is resampled with replacement on its own; `statistic` takes
+    arrays of shape `(resamples, len(sample))` and reduces over the last
+    axis. A fixed seed, so a report reads the same twice.
+    """
+    rng = np.random.default_rng(0)
+    drawn = [x[rng.integers(0, len(x), size=(resamples, len(x)))] for x in samples]
+    values = statistic(*drawn)
+    tail = 100 * (1 - level) / 2
+    return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
+
+
+def _median(x: np.ndarray) -> np.ndarray:
+    return np.median(x, axis=-1)
 
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
+
+
+def _judged(interval: tuple[float, float], goal: float) -> str:
+    """A target judged with its uncertainty: PASS if the whole 95% interval is
+    within the goal, FAIL if all of it is beyond, "within noise" otherwise."""
+    low, high = interval
+    return "PASS" if high <= goal else "FAIL" if low > goal else "within noise"
+
+
+def _timing_row(name: str, ratios: np.ndarray, goal: float) -> tuple[str, str, str, str]:
+    """A target on the median of per-round ratios."""
+    value = float(np.median(ratios))
+    interval = _bootstrap_ci([ratios], _median)
+    shown = f"{value:.3f} [{interval[0]:.3f}-{interval[1]:.3f}]"
+    return name, shown, f"<= {goal}", _judged(interval, goal)
+
+
+def _memory_row(name: str, mem: dict, key: str, goal: float) -> tuple[str, str, str, str]:
+    """A target on the masked mode's median peak minus plain's, in parameter bytes."""
+    scale = {"peak_kib": 1024, "tf_peak_bytes": 1}[key] / mem["masked"]["param_bytes"]
+    masked = np.array(mem["masked"][key + "_runs"], dtype=float) * scale
+    plain = np.array(mem["plain B"][key + "_runs"], dtype=float) * scale
+    value = float(np.median(masked) - np.median(plain))
+    interval = _bootstrap_ci([masked, plain], lambda a, b: _median(a) - _median(b))
+    shown = f"{value:.2f} [{interval[0]:.2f}-{interval[1]:.2f}]"
+    return name, shown, f"<= {goal}", _judged(interval, goal)
 
 
 def report(res: dict, print_fn=print) -> None:
@@ -539,20 +619,21 @@ def report(res: dict, print_fn=print) -> None:
       f"TensorFlow {m['tensorflow']}, Keras {m['keras']}")
     p(f"Load average (1 min) at start / end: {res['load'][0]:.2f} / {res['load'][1]:.2f}")
     if "time" in res:
-        p("\nTime per micro-step, ratio to the plain optimizer at micro-batch B "
-          "(median of per-round ratios; CPU [interquartile] / wall)")
+        p("\nTime per micro-step, ratio to the plain optimizer at micro-batch B (median of "
+          "per-round ratios: CPU time of the train steps [95% interval] / wall time of the fit)")
         names = [k for k in next(iter(res["time"].values())) if not k.startswith("_")]
         header = "| case | " + " | ".join(names) + " |"
         p(header)
         p("|" + "---|" * (len(names) + 1))
         for case, r in res["time"].items():
             cells = [
-                f"{r[n]['cpu_ratio']:.2f} [{r[n]['cpu_ratio_iqr'][0]:.2f}-{r[n]['cpu_ratio_iqr'][1]:.2f}]"
+                f"{r[n]['cpu_ratio']:.3f} [{r[n]['cpu_ratio_ci'][0]:.3f}-{r[n]['cpu_ratio_ci'][1]:.3f}]"
                 f" / {r[n]['wall_ratio']:.2f}"
                 for n in names
             ]
             p(f"| {case} | " + " | ".join(cells) + " |")
-        p("\nPlain optimizer at B, ms per micro-step (median CPU / wall):")
+        p("\nPlain optimizer at B, ms per micro-step (median CPU of the train steps / "
+          "wall of the fit):")
         for case, r in res["time"].items():
             p(f"  {case}: {r['plain B']['cpu_ms_per_micro_step']:.1f} / "
               f"{r['plain B']['wall_ms_per_micro_step']:.1f}")
@@ -588,26 +669,24 @@ def report(res: dict, print_fn=print) -> None:
     rows = []
     if "time" in res:
         for exe in ("graph", "jit"):
-            r = res["time"].get(f"mlp/adam/B=8/{exe}")
-            if r:
-                v = r["masked"]["cpu_ratio"]
-                t = TARGETS["masked_vs_plain_mlp_adam"]
-                rows.append((f"masked / plain, MLP Adam B=8, {exe}", f"{v:.2f}", f"<= {t}", v <= t))
-                v = _paired_ratio(r, "skip", "keras")
-                t = TARGETS["skip_vs_keras_mlp_adam"]
-                rows.append((f"skip / Keras built-in, MLP Adam B=8, {exe}", f"{v:.2f}", f"<= {t}", v <= t))
-            r = res["time"].get(f"conv/adam/B=64/{exe}")
-            if r:
-                v = r["masked"]["cpu_ratio"]
-                t = TARGETS["masked_vs_plain_conv"]
-                rows.append((f"masked / plain, conv B=64, {exe}", f"{v:.2f}", f"<= {t}", v <= t))
+            for case, a, b, target, label in (
+                ("mlp/adam/B=8", "masked", "plain B", "masked_vs_plain_mlp_adam",
+                 "masked / plain, MLP Adam B=8"),
+                ("mlp/adam/B=8", "skip", "keras", "skip_vs_keras_mlp_adam",
+                 "skip / Keras built-in, MLP Adam B=8"),
+                ("conv/adam/B=64", "masked", "plain B", "masked_vs_plain_conv",
+                 "masked / plain, conv B=64"),
+            ):
+                r = res["time"].get(f"{case}/{exe}")
+                if r:
+                    rows.append(_timing_row(f"{label}, {exe}", _round_ratios(r, a, b),
+                                            TARGETS[target]))
     if "memory" in res:
         t = TARGETS["masked_extra_memory"]
-        v = res["memory"]["masked"]["extra_tf_x_params"]
-        rows.append(("masked: extra peak memory, TensorFlow allocator (x parameter bytes)",
-                     f"{v:.2f}", f"<= {t}", v <= t))
-        v = res["memory"]["masked"]["extra_rss_x_params"]
-        rows.append(("masked: extra peak RSS (x parameter bytes)", f"{v:.2f}", f"<= {t}", v <= t))
+        rows.append(_memory_row("masked: extra peak memory, TensorFlow allocator (x parameter bytes)",
+                                res["memory"], "tf_peak_bytes", t))
+        rows.append(_memory_row("masked: extra peak RSS (x parameter bytes)",
+                                res["memory"], "peak_kib", t))
     if "tracing" in res:
         t = res["tracing"]
         for when in ("built", "unbuilt"):
@@ -615,17 +694,17 @@ def report(res: dict, print_fn=print) -> None:
                              if k.rsplit("/", 1)[1] == when and not k.startswith("plain")})
             ok = counts == [t[f"plain/{when}"]]
             rows.append((f"traces per fit, any n, optimizer {when} (plain: {t[f'plain/{when}']})",
-                         str(counts), f"[{t[f'plain/{when}']}]", ok))
+                         str(counts), f"[{t[f'plain/{when}']}]", verdict(ok)))
     if "growth" in res:
         for name in ("masked", "skip"):
             g = res["growth"][name]
             ok = abs(g["slope_mib_per_1000_steps"]) <= 1.0
             rows.append((f"{name}: no memory growth over {g['steps']} micro-steps",
-                         f"{g['slope_mib_per_1000_steps']:+.2f} MiB/1000 steps", "|slope| <= 1", ok))
+                         f"{g['slope_mib_per_1000_steps']:+.2f} MiB/1000 steps", "|slope| <= 1", verdict(ok)))
     p("| target | measured | goal | verdict |")
     p("|---|---|---|---|")
-    for name, v, goal, ok in rows:
-        p(f"| {name} | {v} | {goal} | {verdict(ok)} |")
+    for name, v, goal, result in rows:
+        p(f"| {name} | {v} | {goal} | {result} |")
 
 
 def main(argv=None) -> None:
