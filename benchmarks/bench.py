@@ -234,7 +234,7 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
     out = {"_rounds": {"steps_cpu_s": steps_cpu, "cpu_s": cpu, "wall_s": wall}}
     for name in names:
         rc = _round_ratios(out, name, "plain B")
-        rw = np.array(wall[name]) / np.array(wall["plain B"])
+        rw = _round_ratios(out, name, "plain B", "wall_s")
         out[name] = {
             "cpu_ratio": float(np.median(rc)),
             "cpu_ratio_ci": list(_bootstrap_ci([rc], _median)),
@@ -553,10 +553,11 @@ def machine() -> dict:
     }
 
 
-def _round_ratios(case: dict, a: str, b: str) -> np.ndarray:
-    """Per round, variant `a`'s CPU time of the train steps over variant `b`'s."""
-    steps = case["_rounds"]["steps_cpu_s"]
-    return np.array(steps[a]) / np.array(steps[b])
+def _round_ratios(case: dict, a: str, b: str, key: str = "steps_cpu_s") -> np.ndarray:
+    """Per round, variant `a`'s time over variant `b`'s (by default the CPU
+    time of the train steps; `key` names another series of `case["_rounds"]`)."""
+    times = case["_rounds"][key]
+    return np.array(times[a]) / np.array(times[b])
 
 
 def _bootstrap_ci(
@@ -593,12 +594,17 @@ def _judged(interval: tuple[float, float], goal: float) -> str:
     return "PASS" if high <= goal else "FAIL" if low > goal else "within noise"
 
 
+def _target_row(name: str, value: float, interval: tuple[float, float], goal: float,
+                digits: int) -> tuple[str, str, str, str]:
+    """A row of the targets table: the value with its interval, and the verdict."""
+    shown = f"{value:.{digits}f} [{interval[0]:.{digits}f}-{interval[1]:.{digits}f}]"
+    return name, shown, f"<= {goal}", _judged(interval, goal)
+
+
 def _timing_row(name: str, ratios: np.ndarray, goal: float) -> tuple[str, str, str, str]:
     """A target on the median of per-round ratios."""
-    value = float(np.median(ratios))
-    interval = _bootstrap_ci([ratios], _median)
-    shown = f"{value:.3f} [{interval[0]:.3f}-{interval[1]:.3f}]"
-    return name, shown, f"<= {goal}", _judged(interval, goal)
+    return _target_row(name, float(np.median(ratios)), _bootstrap_ci([ratios], _median),
+                       goal, 3)
 
 
 def _memory_row(name: str, mem: dict, key: str, goal: float) -> tuple[str, str, str, str]:
@@ -606,10 +612,8 @@ def _memory_row(name: str, mem: dict, key: str, goal: float) -> tuple[str, str, 
     scale = {"peak_kib": 1024, "tf_peak_bytes": 1}[key] / mem["masked"]["param_bytes"]
     masked = np.array(mem["masked"][key + "_runs"], dtype=float) * scale
     plain = np.array(mem["plain B"][key + "_runs"], dtype=float) * scale
-    value = float(np.median(masked) - np.median(plain))
     interval = _bootstrap_ci([masked, plain], lambda a, b: _median(a) - _median(b))
-    shown = f"{value:.2f} [{interval[0]:.2f}-{interval[1]:.2f}]"
-    return name, shown, f"<= {goal}", _judged(interval, goal)
+    return _target_row(name, float(np.median(masked) - np.median(plain)), interval, goal, 2)
 
 
 def report(res: dict, print_fn=print) -> None:
