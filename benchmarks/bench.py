@@ -32,14 +32,21 @@ A target on time or memory passes only if its whole 95% interval (over
 rounds, or over processes) is within the goal, fails if all of it is
 beyond, and is "within noise" otherwise.
 
-Memory: every variant runs in fresh processes (9 each, the variants taking
-turns) on a model of about 25M parameters; each figure is the median over
-its processes. Two peaks are measured over the micro-steps after warm-up:
-that of TensorFlow's allocator (the live tensors) and the peak resident set
-size (reset by `/proc/self/clear_refs`). TensorFlow keeps the memory of
-freed tensors resident (256 MiB of freed tensors stay resident, with or
-without `MALLOC_MMAP_THRESHOLD_`), so the resident peak is the highest the
-process held at any time, warm-up included, in steps of whole buffers.
+Memory: every variant runs in fresh processes (9 each under each of two CPU
+allocators, the variants taking turns) on a model of about 25M parameters;
+each figure is the median over its processes. Under TensorFlow's default
+allocator two peaks are measured over the micro-steps after warm-up: that
+of TensorFlow's allocator (the live tensors, counted in the blocks it
+handed out) and the peak resident set size (reset by
+`/proc/self/clear_refs`). With oneDNN that allocator is a pool that keeps
+the memory of freed tensors resident (256 MiB of freed tensors stay
+resident, with or without `MALLOC_MMAP_THRESHOLD_`), so that resident peak
+is the highest the pool reached at any time, warm-up included, and varies
+between identical processes with the order in which the executor ran
+independent operations. Under the system allocator
+(`TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`, `malloc` handing large blocks back at
+once) freed tensors leave the resident set, so the peak resident set size
+over the measured micro-steps is what the variant holds while it trains.
 "extra" is a variant's peak minus the plain optimizer's peak, in multiples
 of the parameter bytes.
 
@@ -361,10 +368,20 @@ def memory_child(variant: str, steps: int) -> dict:
     }
 
 
-def _child(args: list[str]) -> dict:
+# The two CPU allocators a memory child runs under: TensorFlow's default and
+# the system's `malloc` (see `run_memory`).
+ALLOCATORS = {
+    "pool": {},
+    "system": {"TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"},
+}
+
+
+def _child(args: list[str], extra_env: dict[str, str] | None = None) -> dict:
     env = dict(os.environ)
-    # What malloc frees goes back to the system at once (TensorFlow's freed
-    # tensors stay resident regardless: see the module docstring).
+    env.update(extra_env or {})
+    # What malloc frees goes back to the system at once (under the default
+    # allocator TensorFlow's freed tensors stay resident regardless: see the
+    # module docstring).
     env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     env["MALLOC_TRIM_THRESHOLD_"] = str(128 * 1024)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -383,41 +400,55 @@ def _child(args: list[str]) -> dict:
 
 
 def run_memory(quick: bool, log) -> dict:
-    """Each variant in fresh processes; medians over repeats.
+    """Each variant in fresh processes, under each allocator; medians over repeats.
 
-    The peak depends on the order in which TensorFlow's executor happens to
-    run independent operations, so it varies from process to process, and
-    freed tensor memory stays resident: the peak resident set size is the
-    highest the process ever held, in steps of whole buffers. The variants
-    take turns (one process of each, in an order rotated per repeat), so
-    drift over the run falls on all of them alike.
+    Under TensorFlow's default CPU allocator (with oneDNN, a pool that keeps
+    what it has once held), the peak resident set size is the highest the
+    pool ever reached, warm-up included, in steps of whole buffers; how high
+    depends on the order in which the executor happened to run independent
+    operations, so it varies from process to process. Under the system
+    allocator (`TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`, with `malloc` returning
+    large blocks at once) freed tensors leave the resident set, so the peak
+    over the measured micro-steps is what the variant holds while it trains;
+    TensorFlow's allocator statistics are not kept there. The variants take
+    turns (one process of each, in an order rotated per repeat), so drift
+    over the run falls on all of them alike.
     """
     steps = 4 * N if quick else 8 * N
     # Identical processes differ by up to 0.7x of the parameter bytes in peak
-    # resident set size (one buffer of the largest variable more or less):
-    # 9 processes per variant.
+    # resident set size under the default allocator (one buffer of the
+    # largest variable more or less): 9 processes per variant and allocator.
     repeats = 1 if quick else 9
     names = ["plain B", "masked", "skip", "keras", "masked, snapshot fallback"]
-    log(f"  memory: {len(names)} variants x {repeats} processes "
-        f"({steps} micro-steps each, ~25M parameters) ", end="")
-    runs: dict[str, list[dict]] = {name: [] for name in names}
+    log(f"  memory: {len(names)} variants x {len(ALLOCATORS)} allocators x {repeats} "
+        f"processes ({steps} micro-steps each, ~25M parameters) ", end="")
+    runs: dict[str, dict[str, list[dict]]] = {a: {name: [] for name in names} for a in ALLOCATORS}
     for rep in range(repeats):
         for name in rotated(names, rep):
-            runs[name].append(_child(["memory", name, str(steps)]))
-            log(".", end="")
+            for allocator in rotated(list(ALLOCATORS), rep + names.index(name)):
+                runs[allocator][name].append(
+                    _child(["memory", name, str(steps)], ALLOCATORS[allocator])
+                )
+                log(".", end="")
     log("")
     results = {}
     for name in names:
-        r = dict(runs[name][0])
+        r = dict(runs["pool"][name][0])
         for key in ("peak_kib", "tf_peak_bytes", "tf_peak_in_between_bytes", "tf_before_bytes",
                     "rss_before_kib"):
-            values = [run[key] for run in runs[name]]
+            values = [run[key] for run in runs["pool"][name]]
             r[key] = float(np.median(values))
             r[key + "_runs"] = values
+        values = [run["peak_kib"] for run in runs["system"][name]]
+        r["peak_kib_system"] = float(np.median(values))
+        r["peak_kib_system_runs"] = values
         results[name] = r
     base = results["plain B"]
     for name, r in results.items():
         r["extra_rss_x_params"] = (r["peak_kib"] - base["peak_kib"]) * 1024 / r["param_bytes"]
+        r["extra_rss_system_x_params"] = (
+            r["peak_kib_system"] - base["peak_kib_system"]
+        ) * 1024 / r["param_bytes"]
         r["extra_tf_x_params"] = (r["tf_peak_bytes"] - base["tf_peak_bytes"]) / r["param_bytes"]
         r["extra_tf_in_between_x_params"] = (
             r["tf_peak_in_between_bytes"] - base["tf_peak_in_between_bytes"]
@@ -609,7 +640,8 @@ def _timing_row(name: str, ratios: np.ndarray, goal: float) -> tuple[str, str, s
 
 def _memory_row(name: str, mem: dict, key: str, goal: float) -> tuple[str, str, str, str]:
     """A target on the masked mode's median peak minus plain's, in parameter bytes."""
-    scale = {"peak_kib": 1024, "tf_peak_bytes": 1}[key] / mem["masked"]["param_bytes"]
+    scale = {"peak_kib": 1024, "peak_kib_system": 1024, "tf_peak_bytes": 1}[key]
+    scale /= mem["masked"]["param_bytes"]
     masked = np.array(mem["masked"][key + "_runs"], dtype=float) * scale
     plain = np.array(mem["plain B"][key + "_runs"], dtype=float) * scale
     interval = _bootstrap_ci([masked, plain], lambda a, b: _median(a) - _median(b))
@@ -649,14 +681,16 @@ def report(res: dict, print_fn=print) -> None:
           "in multiples of the parameter bytes.")
         p("| variant | variables created: optimizer + accumulators + zero vectors | "
           "peak, TensorFlow allocator | "
-          "extra | extra, in-between steps only | peak RSS | extra |")
-        p("|---|---|---|---|---|---|---|")
+          "extra | extra, in-between steps only | peak RSS, default allocator | extra | "
+          "peak RSS, system allocator | extra |")
+        p("|---|---|---|---|---|---|---|---|---|")
         for name, r in mem.items():
             p(f"| {name} | {r['optimizer_variable_bytes'] / 2**20:.0f} + "
               f"{r['accumulator_bytes'] / 2**20:.0f} + {r['zero_vector_bytes'] / 2**20:.0f} | "
               f"{r['tf_peak_bytes'] / 2**20:.0f} | "
               f"{r['extra_tf_x_params']:.2f}x | {r['extra_tf_in_between_x_params']:.2f}x | "
-              f"{r['peak_kib'] / 1024:.0f} | {r['extra_rss_x_params']:.2f}x |")
+              f"{r['peak_kib'] / 1024:.0f} | {r['extra_rss_x_params']:.2f}x | "
+              f"{r['peak_kib_system'] / 1024:.0f} | {r['extra_rss_system_x_params']:.2f}x |")
     if "growth" in res:
         p("\nResident set size over many micro-steps (small MLP, Adam, B=8, n=4)")
         for name, r in res["growth"].items():
@@ -689,8 +723,10 @@ def report(res: dict, print_fn=print) -> None:
         t = TARGETS["masked_extra_memory"]
         rows.append(_memory_row("masked: extra peak memory, TensorFlow allocator (x parameter bytes)",
                                 res["memory"], "tf_peak_bytes", t))
-        rows.append(_memory_row("masked: extra peak RSS (x parameter bytes)",
+        rows.append(_memory_row("masked: extra peak RSS, default allocator (x parameter bytes)",
                                 res["memory"], "peak_kib", t))
+        rows.append(_memory_row("masked: extra peak RSS, system allocator (x parameter bytes)",
+                                res["memory"], "peak_kib_system", t))
     if "tracing" in res:
         t = res["tracing"]
         for when in ("built", "unbuilt"):
