@@ -1,7 +1,7 @@
 """Speed and memory of `accumulate()` against the plain optimizer and Keras's
 built-in `gradient_accumulation_steps`, with each target and pass/fail.
 
-    python benchmarks/bench.py            # full run (roughly 45 minutes on 2 cores)
+    python benchmarks/bench.py            # full run (30 to 60 minutes on 2 cores)
     python benchmarks/bench.py --quick    # smoke run (a few minutes)
     python benchmarks/bench.py --only time memory growth tracing
     python benchmarks/bench.py --only time --cases conv   # some timing cases
