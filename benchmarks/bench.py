@@ -402,17 +402,11 @@ def _child(args: list[str], extra_env: dict[str, str] | None = None) -> dict:
 def run_memory(quick: bool, log) -> dict:
     """Each variant in fresh processes, under each allocator; medians over repeats.
 
-    Under TensorFlow's default CPU allocator (with oneDNN, a pool that keeps
-    what it has once held), the peak resident set size is the highest the
-    pool ever reached, warm-up included, in steps of whole buffers; how high
-    depends on the order in which the executor happened to run independent
-    operations, so it varies from process to process. Under the system
-    allocator (`TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1`, with `malloc` returning
-    large blocks at once) freed tensors leave the resident set, so the peak
-    over the measured micro-steps is what the variant holds while it trains;
-    TensorFlow's allocator statistics are not kept there. The variants take
-    turns (one process of each, in an order rotated per repeat), so drift
-    over the run falls on all of them alike.
+    What each allocator's peaks mean is in the module docstring; under the
+    system allocator TensorFlow keeps no allocator statistics, so only its
+    resident peak is used. The variants take turns (one process of each, in
+    an order rotated per repeat), so drift over the run falls on all of them
+    alike.
     """
     steps = 4 * N if quick else 8 * N
     # Identical processes differ by up to 0.7x of the parameter bytes in peak
@@ -444,15 +438,16 @@ def run_memory(quick: bool, log) -> dict:
         r["peak_kib_system_runs"] = values
         results[name] = r
     base = results["plain B"]
-    for name, r in results.items():
-        r["extra_rss_x_params"] = (r["peak_kib"] - base["peak_kib"]) * 1024 / r["param_bytes"]
-        r["extra_rss_system_x_params"] = (
-            r["peak_kib_system"] - base["peak_kib_system"]
-        ) * 1024 / r["param_bytes"]
-        r["extra_tf_x_params"] = (r["tf_peak_bytes"] - base["tf_peak_bytes"]) / r["param_bytes"]
-        r["extra_tf_in_between_x_params"] = (
-            r["tf_peak_in_between_bytes"] - base["tf_peak_in_between_bytes"]
-        ) / r["param_bytes"]
+    # extra key: (peak key, bytes per unit of the peak)
+    extras = {
+        "extra_rss_x_params": ("peak_kib", 1024),
+        "extra_rss_system_x_params": ("peak_kib_system", 1024),
+        "extra_tf_x_params": ("tf_peak_bytes", 1),
+        "extra_tf_in_between_x_params": ("tf_peak_in_between_bytes", 1),
+    }
+    for r in results.values():
+        for extra, (key, unit) in extras.items():
+            r[extra] = (r[key] - base[key]) * unit / r["param_bytes"]
     return results
 
 
