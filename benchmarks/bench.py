@@ -327,9 +327,9 @@ def memory_child(variant: str, steps: int) -> dict:
         "masked, snapshot fallback": lambda: accumulate(make_optimizer("adam"), N),
     }[variant]
     if variant == "masked, snapshot fallback":
-        from gradaccum.adapters import _Keras3Optimizer
+        from gradaccum._keras3 import Keras3Family
 
-        _Keras3Optimizer.masks_writes = False
+        Keras3Family.masks_writes = False
     x, y = make_data("big", batch * steps)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).cache()
     model = make_model("big")
@@ -338,10 +338,10 @@ def memory_child(variant: str, steps: int) -> dict:
     model.fit(ds.take(2 * N), epochs=1, verbose=0)  # trace and build
     params = _nbytes(model.trainable_variables)
     opt_bytes = _nbytes(opt.variables)
-    state = getattr(opt, "_self_state", None)
+    state = getattr(opt, "accumulation_state", None)
     acc_bytes = _nbytes(state.accumulators) if state is not None else 0
-    # Skip mode's shared zeros (see gradaccum.skipping), not in `opt.variables`.
-    zero_bytes = _nbytes(list((getattr(opt, "_self_zeros", None) or {}).values()))
+    # Skip mode's shared zeros (see gradaccum._strategies), not in `opt.variables`.
+    zero_bytes = _nbytes(list(state.zero_buffers.values())) if state is not None else 0
     # In-between micro-steps only (warm-up ended on an apply step).
     tf.config.experimental.reset_memory_stats("CPU:0")
     model.fit(ds.take(N - 1), epochs=1, verbose=0)
@@ -505,7 +505,7 @@ def run_growth(quick: bool, log) -> dict:
 
 
 def run_tracing(quick: bool, log) -> dict:
-    """Python calls of the proxy's update code per `fit` (one per trace).
+    """Python calls of the micro-step's code per `fit` (one per trace).
 
     With the optimizer built before `fit`, once per batch shape (Keras traces
     with an unknown batch size, so a last, smaller batch adds none). Unbuilt,
@@ -513,10 +513,11 @@ def run_tracing(quick: bool, log) -> dict:
     created in it, as it does for the plain optimizer.
     """
     tf, keras = _tf()
-    from gradaccum import AccumulatingOptimizer, accumulate
+    from gradaccum import accumulate
+    from gradaccum._accumulation import Accumulation
 
     calls = []
-    original = AccumulatingOptimizer._apply
+    original = Accumulation.step
 
     def counting(self, *args, **kwargs):
         calls.append(1)
@@ -538,7 +539,7 @@ def run_tracing(quick: bool, log) -> dict:
         model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
         return len(calls)
 
-    AccumulatingOptimizer._apply = counting
+    Accumulation.step = counting
     results = {}
     try:
         for build in (True, False):
@@ -551,7 +552,7 @@ def run_tracing(quick: bool, log) -> dict:
                     )
         log(f"  tracing: {results}")
     finally:
-        AccumulatingOptimizer._apply = original
+        Accumulation.step = original
     return results
 
 

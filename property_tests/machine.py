@@ -444,7 +444,7 @@ class MachineBase(RuleBasedStateMachine):
         for key in mine:
             if key not in self.LOSS_SCALE_KEYS:
                 assert np.array_equal(mine[key], theirs[key]), key
-        state = self.acc_opt._self_core._self_state
+        state = self.acc_opt.accumulation_state
         if state is None:  # built on its first micro-step (OptimizerV2)
             assert not any(np.any(s) for s in model.sums)
         else:

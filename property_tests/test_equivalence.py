@@ -37,7 +37,7 @@ from tests.support import shipped_optimizers
 
 
 def _accumulators_empty(opt) -> bool:
-    state = opt._self_core._self_state
+    state = opt.accumulation_state
     return int(state.micro_step) == 0 and all(
         not np.any(a.numpy()) for a in state.accumulators
     )

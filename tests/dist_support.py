@@ -117,8 +117,7 @@ def replica_accumulators(
     strategy: tf.distribute.Strategy, optimizer: Any
 ) -> list[list[np.ndarray]]:
     """Each local replica's own accumulator values (they are replica-local)."""
-    # The accumulators are the proxy's internal state; read them directly.
-    accumulators = optimizer._self_core._self_state.accumulators
+    accumulators = optimizer.accumulation_state.accumulators
     per_variable = [_local(strategy, a) for a in accumulators]
     return [list(values) for values in zip(*per_variable)]
 

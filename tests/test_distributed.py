@@ -287,10 +287,14 @@ LSO_WRAPS = {
 
 
 def _core(optimizer):
-    """The accumulating optimizer inside either wrapping order."""
-    if isinstance(optimizer, AccumulatingOptimizer):
-        return optimizer._self_core
-    return optimizer.inner_optimizer
+    """The accumulating optimizer inside either wrapping order.
+
+    A loss-scale optimizer's (or front's) `inner_optimizer` is the core; a
+    core around a plain optimizer has none.
+    """
+    core = getattr(optimizer, "inner_optimizer", optimizer)
+    assert isinstance(core, AccumulatingOptimizer)
+    return core
 
 
 def _scale(optimizer) -> float:

@@ -73,7 +73,7 @@ def test_fit_equals_large_batch_mixed_precision_training(policy_name, order, mod
     assert_states_close(ref, acc, rtol=rtol, atol=atol)
     # Accumulators are float32 whatever the compute dtype.
     accumulating = opt if isinstance(opt, AccumulatingOptimizer) else opt.inner_optimizer
-    state = accumulating._self_core._self_state
+    state = accumulating.accumulation_state
     assert all(a.dtype == tf.float32 for a in state.accumulators)
 
 

@@ -1,8 +1,22 @@
-"""Exact gradient accumulation for any TensorFlow/Keras optimizer."""
+"""Exact gradient accumulation for any TensorFlow/Keras optimizer.
+
+Public names: `accumulate`, `accumulating`, `AccumulatingOptimizer`,
+`AccumulationState`, and the submodule `gradaccum.callbacks`. Every other
+module is private (its name starts with `_`); docs/ARCHITECTURE.md says what
+each one owns.
+"""
 
 from gradaccum import callbacks
-from gradaccum.patching import accumulating
-from gradaccum.proxy import AccumulatingOptimizer, accumulate
+from gradaccum._accumulating import accumulating
+from gradaccum._api import accumulate
+from gradaccum._proxy import AccumulatingOptimizer
+from gradaccum._state import AccumulationState
 
-__all__ = ["AccumulatingOptimizer", "accumulate", "accumulating", "callbacks"]
+__all__ = [
+    "AccumulatingOptimizer",
+    "AccumulationState",
+    "accumulate",
+    "accumulating",
+    "callbacks",
+]
 __version__ = "0.1.0"

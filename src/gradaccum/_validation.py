@@ -5,11 +5,11 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-_REDUCTIONS = ("mean", "sum")
-_MODES = ("masked", "skip")
+REDUCTIONS = ("mean", "sum")
+MODES = ("masked", "skip")
 
 
-def _check_n(n: Any) -> int:
+def check_n(n: Any) -> int:
     """Returns `n` as an int, or raises if it is not an integer >= 1."""
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
         raise TypeError(
@@ -24,33 +24,33 @@ def _check_n(n: Any) -> int:
     return int(n)
 
 
-def _check_reduction(reduction: Any) -> str:
-    """Returns `reduction`, or raises if it is not one of `_REDUCTIONS`."""
-    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
+def check_reduction(reduction: Any) -> str:
+    """Returns `reduction`, or raises if it is not one of `REDUCTIONS`."""
+    if not isinstance(reduction, str) or reduction not in REDUCTIONS:
         raise ValueError(
-            f"`reduction` must be one of {_REDUCTIONS}. "
+            f"`reduction` must be one of {REDUCTIONS}. "
             f"Received: reduction={reduction!r}."
         )
     return reduction
 
 
-def _check_mode(mode: Any) -> str:
-    """Returns `mode`, or raises if it is not one of `_MODES`."""
-    if not isinstance(mode, str) or mode not in _MODES:
+def check_mode(mode: Any) -> str:
+    """Returns `mode`, or raises if it is not one of `MODES`."""
+    if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(
-            f"`mode` must be one of {_MODES}. Received: mode={mode!r}."
+            f"`mode` must be one of {MODES}. Received: mode={mode!r}."
         )
     return mode
 
 
-def _check_n_or_schedule(n: Any) -> int | Any:
+def check_n_or_schedule(n: Any) -> int | Any:
     """Returns `n` (an int >= 1) or a schedule (a callable), else raises."""
     if callable(n) and not isinstance(n, type):
         return n
-    return _check_n(n)
+    return check_n(n)
 
 
-def _check_weight(weight: Any) -> Any:
+def check_weight(weight: Any) -> Any:
     """Returns `weight`, or raises if a Python number is not finite and >= 0."""
     if weight is None:
         return None

@@ -6,19 +6,9 @@ from typing import Any
 
 import keras
 
+from gradaccum._proxy import accumulating_in
+
 _WHEN = ("epoch_end", "train_end")
-
-
-def _accumulating(optimizer: Any) -> Any:
-    """The AccumulatingOptimizer in `optimizer` (itself or its inner one)."""
-    from gradaccum.proxy import AccumulatingOptimizer
-
-    seen = optimizer
-    while seen is not None:
-        if isinstance(seen, AccumulatingOptimizer):
-            return seen
-        seen = getattr(seen, "inner_optimizer", None)
-    return None
 
 
 class FlushPartialCycle(keras.callbacks.Callback):
@@ -45,7 +35,7 @@ class FlushPartialCycle(keras.callbacks.Callback):
         self.at = at
 
     def _flush(self) -> None:
-        optimizer = _accumulating(getattr(self.model, "optimizer", None))
+        optimizer = accumulating_in(getattr(self.model, "optimizer", None))
         if optimizer is None:
             raise ValueError(
                 "FlushPartialCycle needs a model compiled with an accumulating "

@@ -74,7 +74,7 @@ def test_legacy_optimizer_adds_a_variable_it_was_not_built_for():
     other = tf.Variable(tf.zeros((3,)), name="stranger")
     opt.apply_gradients([(tf.ones((3,)), other)])  # ends the cycle
     assert int(opt.iterations) == 1
-    assert len(opt._self_state.accumulators) == len(model.trainable_variables) + 1
+    assert len(opt.accumulation_state.accumulators) == len(model.trainable_variables) + 1
     # Half the summed gradient of the cycle, one Adam step (lr * sign).
     np.testing.assert_allclose(other.numpy(), -1e-2 * np.ones(3), rtol=1e-4)
 

@@ -134,7 +134,7 @@ def test_growing_under_mirrored_strategy(mode, kind, traced):
         if pattern not in steps:
             steps[pattern] = tf.function(lambda *given, at=at: step(*given, at=at))
         steps[pattern](*given)
-    assert [v.name for v in opt.inner_optimizer._self_variables] == ["a:0", "b:0"]
+    assert [v.name for v in opt.inner_optimizer.accumulation_state.variables] == ["a:0", "b:0"]
     acc = grow_state(variables, opt)
     assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
     assert_states_equal(grow_reference(GROW_LEGACY[kind]), acc)

@@ -54,10 +54,14 @@ def policy(name):
 
 
 def _core(opt):
-    """The AccumulatingOptimizer that holds the accumulators."""
-    if isinstance(opt, AccumulatingOptimizer):
-        return opt._self_core
-    return opt.inner_optimizer
+    """The AccumulatingOptimizer that holds the accumulators.
+
+    A loss-scale optimizer's (or front's) `inner_optimizer` is the core; a
+    core around a plain optimizer has none.
+    """
+    core = getattr(opt, "inner_optimizer", opt)
+    assert isinstance(core, AccumulatingOptimizer)
+    return core
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -88,7 +92,7 @@ def test_fit_equals_large_batch_mixed_float16(kind, order):
     assert acc["iterations"] == CYCLES
     assert_states_close(ref, acc, rtol=FP16_RTOL, atol=FP16_ATOL)
     # Accumulators are float32 whatever the compute dtype.
-    state = _core(model.optimizer)._self_state
+    state = _core(model.optimizer).accumulation_state
     assert all(a.dtype == tf.float32 for a in state.accumulators)
 
 
@@ -285,8 +289,9 @@ def test_loss_scale_optimizer_around_an_unbuilt_accumulating_optimizer(kind, mod
             added = [k for k in after if k not in before]
             slots = [k for k in added if k.startswith(("opt/a/", "opt/b/"))]
             assert all(not np.any(after[key]) for key in slots)
-    assert [v.name for v in core._self_variables] == ["a:0", "b:0"]
-    assert [tuple(a.shape) for a in core._self_state.accumulators] == [(2,), (3,)]
+    state = core.accumulation_state
+    assert [v.name for v in state.variables] == ["a:0", "b:0"]
+    assert [tuple(a.shape) for a in state.accumulators] == [(2,), (3,)]
     acc = grow_state(variables, opt)
     assert acc["iterations"] == len(GROW_PATTERNS) // GROW_N
     assert_states_equal(grow_reference(make), acc)
@@ -319,7 +324,8 @@ def test_growing_on_a_later_trace_of_a_tf_function_is_refused():
     with pytest.raises(ValueError, match=r"first trace.*opt\.build\(model"):
         step(*grow_grads(2))  # "-b": traced anew, would add `b`
     core = opt.inner_optimizer
-    assert len(core._self_variables) == len(core._self_state.accumulators) == 1
+    state = core.accumulation_state
+    assert len(state.variables) == len(state.accumulators) == 1
     # Built with all variables first, the same function works.
     variables = grow_variables()
     core = accumulate(GROW_LEGACY["adam"](), GROW_N)
@@ -346,7 +352,7 @@ def _grown_checkpoint(tmp_path, make):
     assert int(core.micro_step) == 1
     checkpoint = tf.train.Checkpoint(a=variables[0], b=variables[1], optimizer=opt)
     path = checkpoint.save(str(tmp_path / "ckpt"))
-    return path, [a.numpy() for a in core._self_state.accumulators]
+    return path, [a.numpy() for a in core.accumulation_state.accumulators]
 
 
 @pytest.mark.parametrize("kind", sorted(GROW_LEGACY))
@@ -392,7 +398,7 @@ def test_restore_into_an_optimizer_that_has_not_met_a_saved_variable_is_refused(
         opt.apply_gradients([(tf.ones((2,)), variables[0])])
     # Refused before anything was added or applied.
     assert int(opt.inner_optimizer.micro_step) == 1
-    state = opt.inner_optimizer._self_state
+    state = opt.inner_optimizer.accumulation_state
     np.testing.assert_array_equal(state.accumulators[0].numpy(), saved[0])
     for v, value in zip(variables, before):
         np.testing.assert_array_equal(v.numpy(), value)
@@ -408,7 +414,7 @@ def test_traced_step_that_has_not_met_a_restored_variable_is_refused(tmp_path):
         _traced_grow_step(opt, variables)(tf.ones((2,)), None)
     # Refused while tracing: nothing ran.
     assert int(opt.inner_optimizer.micro_step) == 1
-    state = opt.inner_optimizer._self_state
+    state = opt.inner_optimizer.accumulation_state
     np.testing.assert_array_equal(state.accumulators[0].numpy(), saved[0])
     for v, value in zip(variables, before):
         np.testing.assert_array_equal(v.numpy(), value)

@@ -12,12 +12,13 @@ code runs under the default strategy, `MirroredStrategy` and
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 
-def _tf_variable(variable: Any) -> tf.Variable:
+def tf_variable(variable: Any) -> tf.Variable:
     """The TensorFlow variable behind a Keras 3 variable (or itself)."""
     value = getattr(variable, "value", None)
     if isinstance(value, tf.Variable):
@@ -25,8 +26,14 @@ def _tf_variable(variable: Any) -> tf.Variable:
     return variable
 
 
+def strategy_of(optimizer: Any) -> tf.distribute.Strategy:
+    """The strategy an optimizer was created under (else the current one)."""
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    return strategy if strategy is not None else tf.distribute.get_strategy()
+
+
 @contextlib.contextmanager
-def _creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
+def creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
     """Creates variables eagerly, under `strategy` unless one is active."""
     with tf.init_scope():
         if tf.distribute.has_strategy() or strategy is None:
@@ -36,7 +43,7 @@ def _creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
                 yield
 
 
-def _replica_local(initial: tf.Tensor, name: str, colocate_with=None) -> tf.Variable:
+def replica_local(initial: tf.Tensor, name: str, colocate_with: Any = None) -> tf.Variable:
     """A variable each replica updates on its own; reads sum over replicas."""
     strategy = tf.distribute.get_strategy()
     ctx = (
@@ -54,7 +61,7 @@ def _replica_local(initial: tf.Tensor, name: str, colocate_with=None) -> tf.Vari
         )
 
 
-def _local_copy(variable: tf.Variable) -> tf.Variable:
+def local_copy(variable: tf.Variable) -> tf.Variable:
     """This replica's own copy of a replica-local variable (else `variable`).
 
     Replica-local (`ON_READ`) variables refuse scatter updates; the copy on
@@ -65,7 +72,7 @@ def _local_copy(variable: tf.Variable) -> tf.Variable:
     return variable
 
 
-def _mirrored_counter(initial: int, name: str, dtype=tf.int64) -> tf.Variable:
+def mirrored_counter(initial: int, name: str, dtype: tf.DType = tf.int64) -> tf.Variable:
     """A scalar every replica holds and advances identically."""
     return tf.Variable(
         tf.constant(initial, dtype=dtype),
@@ -76,21 +83,28 @@ def _mirrored_counter(initial: int, name: str, dtype=tf.int64) -> tf.Variable:
     )
 
 
-def _in_cross_replica(
-    strategy: tf.distribute.Strategy, fn: Callable[..., Any], *args: Any
-) -> Any:
+def in_cross_replica(strategy: tf.distribute.Strategy, fn: Callable[..., Any], *args: Any) -> Any:
     """Runs `fn(strategy, *args)` in cross-replica context.
 
     From replica context this is a `merge_call`; per-replica tensors in
     `args` arrive as `PerReplica` values that `strategy.extended.update`
     unwraps device by device.
     """
-    return tf.__internal__.distribute.interim.maybe_merge_call(
-        fn, strategy, *args
-    )
+    return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
 
 
-def _check_strategy(owner: tf.distribute.Strategy, what: str) -> None:
+def in_replica_context() -> bool:
+    """Whether a strategy is active and this code runs per replica."""
+    return tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
+
+
+def run_per_replica(strategy: tf.distribute.Strategy, fn: Callable[[], Any]) -> None:
+    """Runs `fn` on every replica of `strategy` (from cross-replica context)."""
+    with strategy.scope():
+        strategy.run(fn)
+
+
+def check_strategy(owner: tf.distribute.Strategy, what: str) -> None:
     """Raises if a strategy scope other than `owner`'s is active.
 
     Keras creates an optimizer's step counter when the optimizer is created
@@ -114,7 +128,7 @@ def _check_strategy(owner: tf.distribute.Strategy, what: str) -> None:
     )
 
 
-def _check_buildable(what: str) -> None:
+def check_buildable(what: str) -> None:
     """Raises if variables cannot be created here: replica context in a graph.
 
     Keras optimizers cannot create their slots inside `strategy.run` within a
@@ -122,12 +136,7 @@ def _check_buildable(what: str) -> None:
     end up in the function's graph); it fails later with an unrelated-looking
     graph error.
     """
-    if (
-        tf.distribute.has_strategy()
-        and not tf.distribute.in_cross_replica_context()
-        and not tf.executing_eagerly()
-        and _replicas_in_sync() > 1
-    ):
+    if in_replica_context() and not tf.executing_eagerly() and replicas_in_sync() > 1:
         raise ValueError(
             f"`{what}` is not built yet and cannot be built inside "
             "`strategy.run` in a `tf.function`. Build it before the training "
@@ -136,23 +145,45 @@ def _check_buildable(what: str) -> None:
         )
 
 
-def _replicas_in_sync() -> int:
+def replicas_in_sync() -> int:
     """Replicas taking part in the current replica context (1 outside one)."""
     context = tf.distribute.get_replica_context()
     return context.num_replicas_in_sync if context is not None else 1
 
 
-def _sum_over_replicas(values: list[tf.Tensor]) -> list[tf.Tensor]:
+def sum_over_replicas(values: Any) -> Any:
     """All-reduces `values` (dense tensors) by summation across replicas."""
     context = tf.distribute.get_replica_context()
     return context.all_reduce(tf.distribute.ReduceOp.SUM, values)
 
 
-def _assign_each(
+def per_replica_share(total: np.ndarray) -> np.ndarray:
+    """The value each replica holds so that replica-local reads sum to total."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return total / replicas if replicas > 1 else total
+
+
+def clip_as_one_device(grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
+    """Clips the gradient summed over replicas, as one device would.
+
+    Keras 3 clips each replica's share of the gradient before its
+    all-reduce, so with several replicas it clips a different vector than
+    training on one device does. Summing first, clipping with the
+    optimizer's own rule `clip`, and handing each replica `1 / replicas` of
+    the result makes the optimizer's all-reduce rebuild the clipped sum; its
+    own clipping then leaves the (already small enough) shares alone. Costs
+    one more all-reduce per step.
+    """
+    replicas = replicas_in_sync()
+    clipped = clip(sum_over_replicas(grads))
+    return [g / replicas for g in clipped]
+
+
+def assign_each(
     strategy: tf.distribute.Strategy,
-    variables: list[tf.Variable],
+    variables: Sequence[tf.Variable],
     fn: Callable[..., Any],
-    *per_variable_args: list[Any],
+    *per_variable_args: Sequence[Any],
 ) -> None:
     """In cross-replica context: `fn(var, *args)` on every copy of every var."""
     for var, *args in zip(variables, *per_variable_args):

@@ -1,4 +1,4 @@
-"""Adapters for legacy Keras 2 (`tf_keras`) optimizers.
+"""The legacy Keras 2 (`tf_keras`) optimizer families.
 
 Two optimizer families ship with `tf_keras`:
 
@@ -7,99 +7,61 @@ Two optimizer families ship with `tf_keras`:
 - `tf_keras.optimizers.legacy.Optimizer` (`OptimizerV2`), whose updates run
   in fused kernels (`ResourceApplyAdam`, ...) on the raw variable handles.
 
-Neither exposes a hook around its variable writes, and none is needed: the
-masked update in `gradaccum.masking` reads every variable an update can
-touch before the update and selects between old and new values after it, so
-fused kernels, weight decay, EMA and constraints are all rolled back alike on
-the in-between micro-steps.
+Neither exposes a hook around its variable writes, so the masked update
+snapshots their state (`masks_writes = False`): it reads every variable an
+update can touch before the update and selects between old and new values
+after it, so fused kernels, weight decay, EMA and constraints are all rolled
+back alike on the in-between micro-steps.
 
-This module imports `tf_keras`; `gradaccum.adapters` loads it only once
-`tf_keras` has been imported by someone else.
+This module imports `tf_keras`; `gradaccum._families` loads it only once
+someone else has imported `tf_keras`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import tensorflow as tf
 import tf_keras
-import wrapt
 from tf_keras.src.mixed_precision.autocast_variable import AutoCastVariable
 from tf_keras.src.optimizers.legacy import optimizer_v2
 
-from gradaccum import loss_scaling
-from gradaccum.adapters import _register
-from gradaccum.distribution import _in_cross_replica
+from gradaccum._backend import distribution
+from gradaccum._family import FamilyBase
 
-_NewOptimizer = tf_keras.optimizers.Optimizer
-_OptimizerV2 = tf_keras.optimizers.legacy.Optimizer
 # Both loss-scale optimizers (around either family) subclass this one.
 _LossScaleOptimizers = tf_keras.mixed_precision.LossScaleOptimizer
-
-
-class _UncountedIterations(wrapt.ObjectProxy):
-    """`iterations` whose `assign_add` does nothing (see `_UncountedSkips`)."""
-
-    def assign_add(
-        self,
-        delta: Any,
-        use_locking: Any = None,
-        name: Any = None,
-        read_value: bool = True,
-    ) -> Any:
-        if read_value:
-            return self.__wrapped__.read_value()
-        return tf.no_op()
-
-
-class _UncountedSkips(wrapt.ObjectProxy):
-    """The accumulating core as a tf_keras loss-scale optimizer's inner one.
-
-    The only write a tf_keras loss-scale optimizer makes to its inner
-    optimizer is `inner.iterations.assign_add(1)` when it skips a step for
-    non-finite gradients. Seen through this proxy that write does nothing,
-    so a dropped micro-batch leaves `iterations` as it was; everything else
-    reaches the core.
-    """
-
-    @property
-    def iterations(self) -> Any:
-        return _UncountedIterations(self.__wrapped__.iterations)
-
-
-def _raw_variable(variable: Any) -> Any:
-    """The variable an update writes: the one inside an `AutoCastVariable`."""
-    if isinstance(variable, AutoCastVariable):
-        return variable._variable
-    return variable
 
 
 def _variable_name(variable: Any) -> str:
     return getattr(variable, "name", repr(variable))
 
 
-class _TfKerasAdapter:
+class _TfKerasFamily(FamilyBase):
     """What both `tf_keras` optimizer families share."""
 
-    # See `_Keras3Optimizer.masks_writes` and `.grows`: the masked update
-    # snapshots both tf_keras families (see the module docstring).
-    masks_writes = False
-    grows = False
+    _base: ClassVar[type]
+    # The `apply_gradients` keyword arguments the family takes.
+    _apply_options: ClassVar[tuple[str, ...]]
+    # A tf_keras loss-scale optimizer counts a step it skips in its inner
+    # optimizer's `iterations`.
+    skips_count_in_inner = True
 
     def __init__(self, optimizer: Any):
-        self.optimizer = optimizer
-        # The variables this adapter has built the optimizer for, in order.
+        super().__init__(optimizer)
+        # The variables this family has built the optimizer for, in order.
         # A `tf_keras` optimizer does not keep that list itself.
         self._variables: list[Any] | None = None
 
     @classmethod
     def accepts(cls, optimizer: Any) -> bool:
-        # A loss-scale optimizer belongs to the family it subclasses; the
-        # proxy accumulates on its inner optimizer (`gradaccum.loss_scaling`).
+        # A loss-scale optimizer belongs to the family it subclasses.
         return isinstance(optimizer, cls._base)
 
-    def check(self) -> None:
-        """Raises if the optimizer cannot be wrapped."""
+    def inner_attribute(self) -> str | None:
+        # Both hold their inner optimizer in `_optimizer` (`inner_optimizer`
+        # is a read-only property).
+        return "_optimizer" if isinstance(self.optimizer, _LossScaleOptimizers) else None
 
     @property
     def built(self) -> bool:
@@ -109,63 +71,33 @@ class _TfKerasAdapter:
         return list(self._variables or [])
 
     def model_variable(self, variable: Any) -> tf.Variable:
-        return _raw_variable(variable)
+        """The variable an update writes: the one inside an `AutoCastVariable`."""
+        if isinstance(variable, AutoCastVariable):
+            return variable._variable
+        return variable
 
-    @property
-    def iterations(self) -> Any:
-        return self.optimizer.iterations
-
-    def apply_gradients_result(self) -> Any:
-        return self.optimizer.iterations
-
-    def apply_accumulated(
-        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
-    ) -> None:
-        """`apply` for accumulated gradients.
-
-        Both tf_keras families all-reduce before they clip, so under several
-        replicas they clip the summed gradient, as one device would.
-        """
-        self.apply(grads, variables, **options)
-
-    def apply_options(self, **kwargs: Any) -> dict[str, Any]:
-        """The extra `apply_gradients` keyword arguments, checked."""
+    def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:
         names = self._apply_options
         for key in kwargs:
             if key not in names:
                 raise TypeError(
                     f"apply_gradients() got an unexpected keyword argument "
-                    f"{key!r}; a {self.family} optimizer takes "
+                    f"{key!r}; a {self.name} optimizer takes "
                     f"{', '.join(f'`{n}`' for n in names)}."
                 )
         return dict(kwargs)
 
-    def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
-        """A loss-scale optimizer's own `apply_gradients`.
 
-        A tf_keras loss-scale optimizer counts a step it skips for non-finite
-        gradients in its inner optimizer's `iterations`. Its inner optimizer
-        is the accumulating core, so that would count a dropped micro-batch
-        as an update; for the duration of this call it sees the core through
-        `_UncountedSkips` instead.
-        """
-        lso = self.optimizer
-        core = lso._optimizer
-        # Plain attribute writes: the loss-scale optimizer's checkpoint
-        # dependencies are its original inner optimizer's, set at creation.
-        object.__setattr__(lso, "_optimizer", _UncountedSkips(core))
-        try:
-            return lso.apply_gradients(grads_and_vars, *args, **kwargs)
-        finally:
-            object.__setattr__(lso, "_optimizer", core)
+class TfKerasFamily(_TfKerasFamily):
+    """`tf_keras.optimizers.Optimizer` (Keras 2.11+)."""
 
+    name = "tf_keras"
+    _base = tf_keras.optimizers.Optimizer
+    _apply_options = ("name", "skip_gradients_aggregation", "experimental_aggregate_gradients")
 
-class _TfKerasOptimizer(_TfKerasAdapter):
-    """Adapter for `tf_keras.optimizers.Optimizer` (Keras 2.11+)."""
-
-    family = "tf_keras"
-    _base = _NewOptimizer
-    _build_scope: str | None = None
+    def __init__(self, optimizer: Any):
+        super().__init__(optimizer)
+        self._build_scope: str | None = None
 
     def build(self, variables: Sequence[Any]) -> None:
         opt = self.optimizer
@@ -189,7 +121,7 @@ class _TfKerasOptimizer(_TfKerasAdapter):
                 opt.build(variables)
         self._variables = variables
 
-    def apply_options(self, **kwargs: Any) -> dict[str, Any]:
+    def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:
         options = super().apply_options(**kwargs)
         if not self.built:
             opt = self.optimizer
@@ -207,19 +139,7 @@ class _TfKerasOptimizer(_TfKerasAdapter):
         hidden = [v for v in vars(opt).values() if isinstance(v, tf.Variable)]
         return list(opt.variables) + hidden
 
-    def strategy(self) -> tf.distribute.Strategy:
-        strategy = getattr(self.optimizer, "_distribution_strategy", None)
-        return strategy if strategy is not None else tf.distribute.get_strategy()
-
-    _apply_options = (
-        "name",
-        "skip_gradients_aggregation",
-        "experimental_aggregate_gradients",
-    )
-
-    def apply(
-        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
-    ) -> None:
+    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
         opt = self.optimizer
         if tf.executing_eagerly() and hasattr(opt, "_u_product_counter"):
             # Nadam also keeps a Python counter: run eagerly, it says for
@@ -230,17 +150,17 @@ class _TfKerasOptimizer(_TfKerasAdapter):
         opt.apply_gradients(list(zip(grads, variables)), **options)
 
     def minimize(
-        self, proxy: Any, loss: Any, var_list: Any, tape: Any = None
+        self, apply_gradients: Callable[..., Any], loss: Any, var_list: Any, tape: Any = None
     ) -> None:
-        grads_and_vars = self.optimizer.compute_gradients(loss, var_list, tape)
-        proxy.apply_gradients(grads_and_vars)
+        apply_gradients(self.optimizer.compute_gradients(loss, var_list, tape))
 
 
-class _TfKerasOptimizerV2(_TfKerasAdapter):
-    """Adapter for `tf_keras.optimizers.legacy.Optimizer` (OptimizerV2)."""
+class TfKerasV2Family(_TfKerasFamily):
+    """`tf_keras.optimizers.legacy.Optimizer` (OptimizerV2)."""
 
-    family = "tf_keras legacy"
-    _base = _OptimizerV2
+    name = "tf_keras legacy"
+    _base = tf_keras.optimizers.legacy.Optimizer
+    _apply_options = ("name", "experimental_aggregate_gradients")
     # An OptimizerV2 creates slots for each variable on its first gradient,
     # and a tf_keras loss-scale optimizer around the proxy (what `compile`
     # builds under `mixed_float16`) drops `None` gradients before calling it:
@@ -276,26 +196,18 @@ class _TfKerasOptimizerV2(_TfKerasAdapter):
         # cross-replica context so that every replica returns the same one.
         if tf.executing_eagerly():
             return self.optimizer.iterations
-        return _in_cross_replica(self.strategy(), lambda strategy: tf.no_op())
+        return distribution.in_cross_replica(self.strategy(), lambda strategy: tf.no_op())
 
     def state_variables(self) -> list[tf.Variable]:
         # `iterations`, hyperparameters and slots; `variables` is a method.
         return list(self.optimizer.variables())
 
-    def strategy(self) -> tf.distribute.Strategy:
-        strategy = self.optimizer._distribution_strategy
-        return strategy if strategy is not None else tf.distribute.get_strategy()
-
-    _apply_options = ("name", "experimental_aggregate_gradients")
-
-    def apply(
-        self, grads: Sequence[Any], variables: Sequence[Any], **options: Any
-    ) -> None:
+    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
         self.optimizer.apply_gradients(list(zip(grads, variables)), **options)
 
     def minimize(
         self,
-        proxy: Any,
+        apply_gradients: Callable[..., Any],
         loss: Any,
         var_list: Any,
         grad_loss: Any = None,
@@ -305,11 +217,7 @@ class _TfKerasOptimizerV2(_TfKerasAdapter):
         grads_and_vars = self.optimizer._compute_gradients(
             loss, var_list=var_list, grad_loss=grad_loss, tape=tape
         )
-        return proxy.apply_gradients(grads_and_vars, name=name)
+        return apply_gradients(grads_and_vars, name=name)
 
 
-_register(_TfKerasOptimizer)
-_register(_TfKerasOptimizerV2)
-# Both tf_keras loss-scale optimizers hold their inner optimizer in
-# `_optimizer` (`inner_optimizer` is a read-only property).
-loss_scaling._register(lambda o: isinstance(o, _LossScaleOptimizers), "_optimizer")
+FAMILIES = (TfKerasFamily, TfKerasV2Family)

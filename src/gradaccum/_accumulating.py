@@ -27,68 +27,37 @@ import threading
 from typing import Any, Callable, Iterator
 
 import keras
-import wrapt
 
-from gradaccum._validation import _check_mode, _check_n_or_schedule, _check_reduction
+from gradaccum import _patches
+from gradaccum._api import accumulate
+from gradaccum._proxy import accumulating_in
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
 
 _local = threading.local()
-_lock = threading.Lock()
-_installed: dict[str, Any] = {}  # owner class, original attribute, users
 
 
-def _stack() -> list[tuple[Any, str]]:
+def _stack() -> list[tuple[Any, str, str]]:
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
-
-
-def _compile_owner() -> type:
-    for cls in keras.Model.__mro__:
-        if "compile" in vars(cls):
-            return cls
-    raise RuntimeError("keras.Model has no compile method")  # pragma: no cover
 
 
 def _wrapped_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     stack = _stack()
     if not stack or instance is None:
         return wrapped(*args, **kwargs)
-    from gradaccum.callbacks import _accumulating
-    from gradaccum.proxy import accumulate
-
     n, reduction, mode = stack[-1]
-    bound = _SIGNATURE.bind_partial(*args, **kwargs)
+    # `wrapped` is bound to the model: its signature has no `self`.
+    bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
     optimizer = bound.arguments.get("optimizer", "rmsprop")
-    if optimizer is not None and _accumulating(optimizer) is None:
+    if optimizer is not None and accumulating_in(optimizer) is None:
         bound.arguments["optimizer"] = accumulate(
             keras.optimizers.get(optimizer), n, reduction=reduction, mode=mode
         )
     return wrapped(*bound.args, **bound.kwargs)
 
 
-def _install() -> None:
-    with _lock:
-        if not _installed:
-            owner = _compile_owner()
-            original = vars(owner)["compile"]
-            global _SIGNATURE
-            _SIGNATURE = inspect.signature(original).replace(
-                parameters=list(inspect.signature(original).parameters.values())[1:]
-            )
-            setattr(owner, "compile", wrapt.FunctionWrapper(original, _wrapped_compile))
-            _installed.update(owner=owner, original=original, users=0)
-        _installed["users"] += 1
-
-
-def _uninstall() -> None:
-    with _lock:
-        _installed["users"] -= 1
-        if _installed["users"] == 0:
-            setattr(_installed["owner"], "compile", _installed["original"])
-            _installed.clear()
-
-
-_SIGNATURE: inspect.Signature
+_COMPILE = _patches.SharedPatch(lambda: keras.Model, "compile", _wrapped_compile)
 
 
 @contextlib.contextmanager
@@ -116,14 +85,14 @@ def accumulating(
         TypeError: If `n` is not an int or callable.
         ValueError: If `n < 1`, or `reduction` or `mode` is unknown.
     """
-    n = _check_n_or_schedule(n)
-    reduction = _check_reduction(reduction)
-    mode = _check_mode(mode)
-    _install()
+    n = check_n_or_schedule(n)
+    reduction = check_reduction(reduction)
+    mode = check_mode(mode)
+    _COMPILE.acquire()
     stack = _stack()
     stack.append((n, reduction, mode))
     try:
         yield
     finally:
         stack.pop()
-        _uninstall()
+        _COMPILE.release()

@@ -1,0 +1,91 @@
+"""`accumulate()`: the one-line entry point."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import keras
+import tensorflow as tf
+
+from gradaccum import _saving
+from gradaccum._loss_scale import LossScaleFront  # noqa: F401  (registers the kind)
+from gradaccum._proxy import AccumulatingOptimizer
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
+
+
+def accumulate(
+    optimizer: keras.optimizers.Optimizer | None = None,
+    n: int | Callable[[tf.Tensor], Any] | None = None,
+    *,
+    reduction: str = "mean",
+    mode: str = "masked",
+) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Gives an optimizer gradient accumulation over `n` micro-batches.
+
+    ```python
+    opt = accumulate(keras.optimizers.Adam(1e-3), n=4)
+    AccAdam = accumulate(n=4)(keras.optimizers.Adam)   # decorator form
+    ```
+
+    Args:
+        optimizer: A Keras optimizer instance. Omit it to get a decorator for
+            an optimizer class or factory function.
+        n: Micro-batches per applied update: an int >= 1, or a schedule (a
+            callable of the applied-update count returning the int for the next
+            cycle, written with TensorFlow ops; see `AccumulatingOptimizer`).
+        reduction: `"mean"` (default) applies the mean of the micro-batch
+            gradients, as training on the large batch with a mean-reduced loss
+            does; `"sum"` applies their sum (for sum-reduced losses). Weighted
+            micro-batches (`apply_gradients(..., weight=w)`) give the weighted
+            mean or sum.
+        mode: `"masked"` (default) runs the wrapped optimizer's update on
+            every micro-step and keeps its result only on the apply step,
+            with no branch around it: every micro-step runs the same
+            operations, including the optimizer's replica synchronisation.
+            `"skip"` runs the update only on the apply step (a `tf.cond`
+            decided in cross-replica context, so it works under
+            `MirroredStrategy`): in-between micro-steps cost only the
+            accumulation. Both give the same result.
+
+    Returns:
+        An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
+        without `optimizer`, a decorator whose result builds one per call.
+
+    Raises:
+        TypeError: If `n` is missing or neither an int nor a callable, or
+            `optimizer` is not a Keras optimizer.
+        ValueError: If `n < 1`, `reduction` or `mode` is unknown,
+            `optimizer` already accumulates gradients, or the active Keras
+            backend is not TensorFlow.
+    """
+    if n is None:
+        raise TypeError(
+            "accumulate() requires `n`, the number of micro-batches per update."
+        )
+    n = check_n_or_schedule(n)
+    reduction = check_reduction(reduction)
+    mode = check_mode(mode)
+    if optimizer is not None:
+        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode)
+
+    def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(factory):
+            raise TypeError(
+                "accumulate(n=...) decorates an optimizer class or factory "
+                f"function. Received: {factory!r} of type "
+                f"{type(factory).__name__}."
+            )
+
+        @functools.wraps(factory, updated=())
+        def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
+            return AccumulatingOptimizer(
+                factory(*args, **kwargs), n, reduction=reduction, mode=mode
+            )
+
+        return make
+
+    return decorator
+
+
+_saving.register(AccumulatingOptimizer)

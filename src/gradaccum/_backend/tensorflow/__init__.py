@@ -1,0 +1,1 @@
+"""The TensorFlow backend: `distribution`, `tensors` and `updates`."""

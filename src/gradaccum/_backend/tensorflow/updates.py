@@ -1,0 +1,249 @@
+"""Running the wrapped optimizer's update on a micro-step: masked or skipped.
+
+Masked (`masked_update`): the update runs on every micro-step and keeps its
+effect only on the apply step. On an in-between step every trainable
+variable and every optimizer variable (moments, counters, EMA copies,
+whatever the optimizer created) ends exactly where it started, bit for bit.
+No branch encloses the update, so the optimizer's own replica
+synchronisation (all-reduce, `merge_call`) runs unconditionally and
+identically on every replica. Two ways to mask, chosen by the optimizer
+family (`masks_writes`):
+
+- Masked writes (`masking_writes`), for optimizers whose every state change
+  goes through a write method of a TensorFlow variable (`assign`,
+  `assign_add`, `assign_sub`, `scatter_*`), as Keras 3 optimizers' do. While
+  the update runs, each of those writes to a tracked variable happens only
+  if `keep_new`: `tf.cond(keep_new, write, nothing)` around that one write,
+  whose value is computed unconditionally. Nothing is copied ahead of the
+  update, and an in-between step writes nothing.
+- Snapshot and select (`snapshot_update`), for optimizers that write through
+  fused kernels on raw variable handles: the values of every tracked
+  variable are read before the update and selected after it. This keeps one
+  copy of all of them alive until the select.
+
+Selecting or skipping a write, rather than multiplying by 0/1, means a
+non-finite value in the discarded update cannot leak into the kept one
+(0 x inf is NaN).
+
+Skipped (`skipped_update`): the update runs only if `keep_new`. A `tf.cond`
+in replica context must not enclose a `merge_call`, and the wrapped
+optimizer's update makes several (all-reduce, per-variable updates, the step
+counter), so under strategies that need merge calls (`MirroredStrategy`) the
+decision is taken in cross-replica context and the update re-enters replica
+context inside the branch, as Keras's `LossScaleOptimizer` does:
+
+    merge_call -> tf.cond(keep_new, call_for_each_replica(update), no-op)
+
+Each replica computes the same `keep_new` (from the mirrored micro-step
+counter), so every replica takes the same branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+import tensorflow as tf
+
+from gradaccum import _patches
+from gradaccum._backend.tensorflow.distribution import assign_each, in_cross_replica
+from gradaccum._backend.tensorflow.tensors import nothing, select
+
+
+def masked_update(
+    strategy: tf.distribute.Strategy,
+    keep_new: tf.Tensor,
+    state: Sequence[tf.Variable],
+    update: Callable[[], Any],
+    masks_writes: bool = False,
+) -> None:
+    """Runs `update()`, then keeps its effect on `state` only if `keep_new`.
+
+    Args:
+        strategy: The distribution strategy that owns `state`.
+        keep_new: Scalar boolean tensor (identical on every replica).
+        state: TensorFlow variables `update` may write. Anything it writes
+            outside this list is not rolled back.
+        update: Runs the real update in the current (replica) context.
+        masks_writes: Whether every write `update` makes goes through a
+            variable's write methods, so each write can be masked where it
+            happens (no copy of `state`). Otherwise `state` is snapshotted.
+    """
+    if masks_writes:
+        with masking_writes(state, keep_new):
+            update()
+    else:
+        snapshot_update(strategy, keep_new, state, update)
+
+
+def skipped_update(keep_new: tf.Tensor, update: Callable[..., Any], *args: Any) -> None:
+    """Runs `update(*args)` in replica context if `keep_new`, else nothing.
+
+    Args:
+        keep_new: Scalar boolean tensor (identical on every replica).
+        update: Called in replica context; must capture no per-replica
+            tensor (it may run in another replica's thread). Per-replica
+            inputs go in `args`.
+        *args: Per-replica inputs of `update` (tensors or lists of them).
+    """
+    if tf.distribute.in_cross_replica_context():
+        raise ValueError(
+            "Gradients must be applied in replica context (inside "
+            "`strategy.run` or `model.fit`), not in cross-replica context."
+        )
+
+    def run() -> None:
+        update(*args)
+
+    if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        tf.cond(keep_new, run, nothing)
+        return
+
+    def decide(distribution: tf.distribute.Strategy, keep_new: Any, *args: Any) -> None:
+        # Every replica computed the same value; take the first replica's.
+        keep = distribution.experimental_local_results(keep_new)[0]
+
+        def run_on_each_replica() -> None:
+            distribution.extended.call_for_each_replica(update, args=args)
+
+        tf.cond(keep, run_on_each_replica, nothing)
+
+    tf.distribute.get_replica_context().merge_call(decide, args=(keep_new, *args))
+
+
+def _unique(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
+    seen: set[int] = set()
+    out = []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+# ----------------------------------------------------------------------
+# Snapshot and select: one copy of all of `state` alive during the update.
+
+
+def _pick(var: tf.Variable, keep_new: tf.Tensor, old: tf.Tensor) -> Any:
+    return var.assign(select(keep_new, var.read_value(), old))
+
+
+def snapshot_update(
+    strategy: tf.distribute.Strategy,
+    keep_new: tf.Tensor,
+    state: Sequence[tf.Variable],
+    update: Callable[[], Any],
+) -> None:
+    """`masked_update` by reading all of `state` first and selecting after."""
+    state = _unique(state)
+    old = [v.read_value() for v in state]
+    update()
+
+    def select_each(strategy: tf.distribute.Strategy, keep_new: Any, old: Any) -> None:
+        assign_each(strategy, state, _pick, [keep_new] * len(state), old)
+
+    in_cross_replica(strategy, select_each, keep_new, old)
+
+
+# ----------------------------------------------------------------------
+# Masked writes: each write happens only if `keep_new`.
+
+# The write methods of `tf.Variable`.
+WRITES = (
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "scatter_add",
+    "scatter_sub",
+    "scatter_max",
+    "scatter_min",
+    "scatter_mul",
+    "scatter_div",
+    "scatter_update",
+    "batch_scatter_update",
+    "scatter_nd_add",
+    "scatter_nd_sub",
+    "scatter_nd_update",
+    "scatter_nd_max",
+    "scatter_nd_min",
+)
+
+
+class _WriteMask:
+    """The write methods of one TensorFlow variable, masked by `keep_new`.
+
+    A masked write is `tf.cond(keep_new, write, nothing)`. The branch holds
+    that one write and nothing that synchronises replicas; the value it
+    writes is computed outside, unconditionally. Selecting between the new
+    and the current value instead would assign a variable its own buffer on
+    every in-between step, which TensorFlow does by copying it.
+    """
+
+    def __init__(self, variable: tf.Variable, keep_new: tf.Tensor):
+        self.users = 0
+
+        def masked_write(write: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+            def run() -> None:
+                write(*args, **kwargs)
+
+            tf.cond(keep_new, run, nothing)
+            return variable
+
+        self._patches = [
+            _patches.Patch(variable, name, masked_write)
+            for name in WRITES
+            if hasattr(variable, name)
+        ]
+
+    def remove(self) -> None:
+        for patch in self._patches:
+            patch.remove()
+
+
+# Variables whose write methods are masked now, by id. Under
+# `MirroredStrategy` every replica thread masks the same variables and the
+# optimizer writes them from a `merge_call` in yet another thread, so the
+# masks are shared and counted; every replica's `keep_new` has the same
+# value, so the first one serves all.
+MASKS: dict[int, _WriteMask] = {}
+_MASKS_LOCK = threading.Lock()
+
+
+def _leaf_variables(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
+    """The variables writes reach: each replica's copy of a distributed one."""
+    leaves: list[tf.Variable] = []
+    for v in variables:
+        if isinstance(v, tf.distribute.DistributedValues):
+            leaves.extend(v.values)
+        else:
+            leaves.append(v)
+    return _unique(leaves)
+
+
+@contextlib.contextmanager
+def masking_writes(variables: Sequence[tf.Variable], keep_new: tf.Tensor) -> Iterator[None]:
+    """Within the block, writes to `variables` take effect only if `keep_new`.
+
+    Args:
+        variables: TensorFlow variables (plain or distributed).
+        keep_new: Scalar boolean tensor.
+    """
+    leaves = _leaf_variables(variables)
+    with _MASKS_LOCK:
+        for v in leaves:
+            mask = MASKS.get(id(v))
+            if mask is None:
+                mask = MASKS[id(v)] = _WriteMask(v, keep_new)
+            mask.users += 1
+    try:
+        yield
+    finally:
+        with _MASKS_LOCK:
+            for v in leaves:
+                mask = MASKS[id(v)]
+                mask.users -= 1
+                if mask.users == 0:
+                    mask.remove()
+                    del MASKS[id(v)]

@@ -1,0 +1,146 @@
+"""What the accumulation needs from an optimizer, per optimizer family.
+
+The accumulation owns the accumulators and the cycle; a family answers the
+few questions whose answers differ between optimizer families: is the
+optimizer built, for which variables, which variables hold its state, how
+does it apply gradients, and is it a loss-scale optimizer around another.
+`OptimizerFamily` is the contract; `FamilyBase` holds the defaults that
+families share. Families are looked up in `gradaccum._families`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+
+import tensorflow as tf
+
+from gradaccum._backend import distribution
+
+
+class OptimizerFamily(Protocol):
+    """The contract between the accumulation and one optimizer family."""
+
+    # For messages: "Keras 3", "tf_keras", ...
+    name: ClassVar[str]
+    # Whether every state change of the optimizer (update steps, weight
+    # decay, EMA, constraints, the step counter) is a call of a TensorFlow
+    # variable's write method, so that the masked update can mask each write
+    # instead of snapshotting all state (see `gradaccum._backend`).
+    masks_writes: ClassVar[bool]
+    # Whether the optimizer creates its per-variable state lazily, so that a
+    # gradient for a variable it was not built for extends the accumulation
+    # state (`grow`) instead of being refused.
+    grows: ClassVar[bool]
+    # Whether a loss-scale optimizer of this family adds a step it skips for
+    # non-finite gradients to its inner optimizer's `iterations`.
+    skips_count_in_inner: ClassVar[bool]
+    optimizer: Any
+
+    @classmethod
+    def accepts(cls, optimizer: Any) -> bool:
+        """Whether `optimizer` belongs to this family."""
+
+    def check(self) -> None:
+        """Raises if the optimizer cannot be wrapped."""
+
+    def inner_attribute(self) -> str | None:
+        """For a loss-scale optimizer, the attribute holding its inner one."""
+
+    @property
+    def built(self) -> bool:
+        """Whether the optimizer is built (its state exists)."""
+
+    def build(self, variables: Sequence[Any]) -> None:
+        """Builds the optimizer for `variables`."""
+
+    def grow(self, variables: Sequence[Any]) -> None:
+        """Builds the optimizer for more variables (only if `grows`)."""
+
+    def trainable_variables(self) -> list[Any]:
+        """The variables the optimizer is built for, in its order."""
+
+    def var_key(self, variable: Any) -> Any:
+        """A hashable identity of `variable`, as the optimizer keys it."""
+
+    def state_variables(self) -> list[tf.Variable]:
+        """Every variable holding optimizer state that an update may write."""
+
+    def model_variable(self, variable: Any) -> tf.Variable:
+        """The variable an update of `variable` writes."""
+
+    def strategy(self) -> tf.distribute.Strategy:
+        """The distribution strategy the optimizer was created under."""
+
+    def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:
+        """The extra `apply_gradients` keyword arguments, checked."""
+
+    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+        """The optimizer's own update, with what `apply_options` returned."""
+
+    def replica_clip(self) -> Callable[[list[Any]], list[Any]] | None:
+        """The optimizer's clipping of a summed gradient, if it clips each
+        replica's share before the all-reduce (else None)."""
+
+    @property
+    def iterations(self) -> Any:
+        """The optimizer's step counter."""
+
+    def apply_gradients_result(self) -> Any:
+        """What the optimizer's `apply_gradients` returns."""
+
+    def minimize(
+        self, apply_gradients: Callable[..., Any], loss: Any, var_list: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """The optimizer's `minimize`, applying through `apply_gradients`."""
+
+
+class FamilyBase:
+    """Defaults that optimizer families share (see `OptimizerFamily`)."""
+
+    name: ClassVar[str] = "?"
+    masks_writes: ClassVar[bool] = False
+    grows: ClassVar[bool] = False
+    skips_count_in_inner: ClassVar[bool] = False
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def check(self) -> None:
+        return None
+
+    def inner_attribute(self) -> str | None:
+        return None
+
+    def grow(self, variables: Sequence[Any]) -> None:
+        raise NotImplementedError(f"A {self.name} optimizer does not grow.")
+
+    def model_variable(self, variable: Any) -> tf.Variable:
+        return variable
+
+    def strategy(self) -> tf.distribute.Strategy:
+        return distribution.strategy_of(self.optimizer)
+
+    def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:
+        if kwargs:
+            raise TypeError(
+                f"apply_gradients() of a {self.name} optimizer takes only "
+                f"`grads_and_vars`. Received extra arguments: {sorted(kwargs)}."
+            )
+        return {}
+
+    def replica_clip(self) -> Callable[[list[Any]], list[Any]] | None:
+        return None
+
+    @property
+    def iterations(self) -> Any:
+        return self.optimizer.iterations
+
+    def apply_gradients_result(self) -> Any:
+        return self.optimizer.iterations
+
+    def minimize(
+        self, apply_gradients: Callable[..., Any], loss: Any, var_list: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        raise AttributeError(
+            f"{type(self.optimizer).__name__!r} object has no attribute 'minimize'"
+        )

@@ -1,0 +1,97 @@
+"""The Keras 3 optimizer family (`keras.optimizers.Optimizer`, TF backend)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import keras
+import tensorflow as tf
+
+from gradaccum._backend import distribution
+from gradaccum._family import FamilyBase
+
+
+class Keras3Family(FamilyBase):
+    """`keras.optimizers.Optimizer`, and Keras's `LossScaleOptimizer` around one."""
+
+    name = "Keras 3"
+    # Every state change of a Keras 3 optimizer is a write method call on a
+    # TensorFlow variable (see `OptimizerFamily.masks_writes`).
+    masks_writes = True
+
+    @classmethod
+    def accepts(cls, optimizer: Any) -> bool:
+        return isinstance(optimizer, keras.optimizers.Optimizer)
+
+    def check(self) -> None:
+        steps = getattr(self.optimizer, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "`optimizer` has its own gradient accumulation "
+                f"(gradient_accumulation_steps={steps}); wrapping it would "
+                "accumulate twice. Create it without "
+                "`gradient_accumulation_steps`."
+            )
+
+    def inner_attribute(self) -> str | None:
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return "inner_optimizer"
+        return None
+
+    @property
+    def built(self) -> bool:
+        return bool(self.optimizer.built)
+
+    def build(self, variables: Sequence[Any]) -> None:
+        distribution.check_strategy(self.strategy(), "optimizer")
+        distribution.check_buildable("optimizer")
+        self.optimizer.build(list(variables))
+
+    def trainable_variables(self) -> list[Any]:
+        return list(self.optimizer._trainable_variables)
+
+    def var_key(self, variable: Any) -> Any:
+        return self.optimizer._var_key(variable)
+
+    def state_variables(self) -> list[tf.Variable]:
+        """Every TF variable holding optimizer state (slots, counters, EMA).
+
+        `optimizer.variables` lists what Keras tracked while the optimizer
+        was built. A `LossScaleOptimizer` builds its inner optimizer with
+        tracking switched off, so variables an optimizer's `build` creates
+        directly (Nadam's `_u_product`, Adafactor's placeholders) are then
+        missing from that list; they are found among its attributes.
+        """
+        variables = list(self.optimizer.variables)
+        known = {id(v) for v in variables}
+        known |= {id(v) for v in self.optimizer._trainable_variables}
+        for value in vars(self.optimizer).values():
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, keras.Variable) and id(v) not in known:
+                    known.add(id(v))
+                    variables.append(v)
+        return [distribution.tf_variable(v) for v in variables]
+
+    def model_variable(self, variable: Any) -> tf.Variable:
+        return distribution.tf_variable(variable)
+
+    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+        # `options` is always empty (`apply_options` accepts none).
+        self.optimizer.apply(list(grads), list(variables))
+
+    def replica_clip(self) -> Callable[[list[Any]], list[Any]] | None:
+        """Keras 3 clips each replica's share before its all-reduce."""
+        names = ("clipnorm", "global_clipnorm", "clipvalue")
+        if not any(getattr(self.optimizer, name, None) for name in names):
+            return None
+        optimizer = self.optimizer
+
+        def clip(summed: list[Any]) -> list[Any]:
+            # On unscaled gradients, as a loss-scale optimizer hands them.
+            scale = getattr(optimizer, "loss_scale_factor", None)
+            if scale is not None:
+                summed = [g / scale for g in summed]
+            clipped = optimizer._clip_gradients(summed)
+            return clipped if scale is None else [g * scale for g in clipped]
+
+        return clip

@@ -1,0 +1,171 @@
+"""Loss scaling: accumulate inside a loss-scale optimizer, never around it.
+
+`accumulate(LossScaleOptimizer(opt), n)` must not accumulate around the
+loss-scale optimizer: its gradients are still scaled, and a step it skips for
+non-finite gradients would still count as a micro-step. Instead the
+loss-scale optimizer keeps its job (scale the loss, unscale the gradients,
+drop a non-finite micro-batch and halve the scale) and its inner optimizer is
+replaced by an accumulating core, which therefore only ever sees unscaled,
+finite micro-gradients. A dropped micro-batch is neither added nor counted:
+the cycle waits for `n` finite micro-batches, and those already accumulated
+are kept. What `accumulate` returns is a `LossScaleFront`: the loss-scale
+optimizer to everyone else, with the accumulating surface of its core.
+
+`LossScaleOptimizer(accumulate(opt, n))` (also what `model.compile` builds
+under a `mixed_float16` policy) needs nothing from here: the loss-scale
+optimizer calls the accumulating one only for finite micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import tensorflow as tf
+import wrapt
+
+from gradaccum import _families
+from gradaccum._proxy import AccumulatingOptimizer, accumulation_of, wrappable_family
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
+
+
+class _UncountedIterations(wrapt.ObjectProxy):
+    """`iterations` whose `assign_add` does nothing (see `_UncountedSkips`)."""
+
+    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        if read_value:
+            return self.__wrapped__.read_value()
+        return tf.no_op()
+
+
+class _UncountedSkips(wrapt.ObjectProxy):
+    """The core as seen by a loss-scale optimizer that counts its skips.
+
+    The only write such a loss-scale optimizer (tf_keras's) makes to its
+    inner optimizer is `inner.iterations.assign_add(1)` when it skips a step
+    for non-finite gradients. Seen through this proxy that write does
+    nothing, so a dropped micro-batch leaves `iterations` as it was;
+    everything else reaches the core.
+    """
+
+    @property
+    def iterations(self) -> Any:
+        return _UncountedIterations(self.__wrapped__.iterations)
+
+
+class LossScaleFront(AccumulatingOptimizer):
+    """The kind that wraps a loss-scale optimizer (see the module docstring).
+
+    Args:
+        optimizer: The loss-scale optimizer.
+        n, reduction, mode: As for `AccumulatingOptimizer`.
+        _adopt: Deserializing: the loss-scale optimizer's inner optimizer,
+            if it accumulates already, is the core (it was saved as one).
+    """
+
+    @classmethod
+    def handles(cls, optimizer: Any) -> bool:
+        family = _families.family_of(optimizer)
+        return family is not None and family.inner_attribute() is not None
+
+    def __init__(
+        self,
+        optimizer: Any,
+        n: int | Callable[[tf.Tensor], Any],
+        reduction: str = "mean",
+        mode: str = "masked",
+        *,
+        _adopt: bool = False,
+    ):
+        family = _families.family_of(optimizer)
+        attribute = family.inner_attribute()
+        core = getattr(optimizer, attribute)
+        if not (_adopt and isinstance(core, AccumulatingOptimizer)):
+            family = wrappable_family(optimizer)
+            n, reduction, mode = check_n_or_schedule(n), check_reduction(reduction), check_mode(mode)
+            core = AccumulatingOptimizer(core, n, reduction=reduction, mode=mode)
+            self._install(optimizer, attribute, core)
+        super().__init__(optimizer, family, accumulation_of(core))
+        self._self_core = core
+        self._self_inner_attribute = attribute
+
+    @staticmethod
+    def _install(optimizer: Any, attribute: str, core: AccumulatingOptimizer) -> None:
+        """Makes `core` the loss-scale optimizer's inner optimizer."""
+        setattr(optimizer, attribute, core)
+        delegating = tf.__internal__.tracking.DelegatingTrackableMixin
+        if isinstance(optimizer, delegating):
+            # tf_keras's loss-scale optimizer for OptimizerV2 hands every
+            # checkpoint call to the inner optimizer it was created with;
+            # point it at the core, or checkpoints would miss the
+            # accumulation state.
+            delegating.__init__(optimizer, core)
+
+    @contextlib.contextmanager
+    def _skips_uncounted(self) -> Iterator[None]:
+        """While the loss-scale optimizer runs, it sees the core through
+        `_UncountedSkips`, if it would count skipped steps in the core's
+        `iterations`."""
+        if not self._self_family.skips_count_in_inner:
+            yield
+            return
+        lso, attribute, core = self.__wrapped__, self._self_inner_attribute, self._self_core
+        # Plain attribute writes: the loss-scale optimizer's checkpoint
+        # dependencies are its original inner optimizer's, set at creation.
+        object.__setattr__(lso, attribute, _UncountedSkips(core))
+        try:
+            yield
+        finally:
+            object.__setattr__(lso, attribute, core)
+
+    @property
+    def built(self) -> bool:
+        return self._self_core.built
+
+    @built.setter
+    def built(self, value: bool) -> None:
+        self.__wrapped__.built = value
+
+    def build(self, variables: Sequence[Any]) -> None:
+        """Builds the loss-scale optimizer and the core.
+
+        Args:
+            variables: The trainable variables the optimizer will update.
+        """
+        # The loss-scale optimizer's own `build` if it has one (a tf_keras
+        # OptimizerV2 has none): it builds the core and its own state.
+        build = getattr(self.__wrapped__, "build", None) or self._self_core.build
+        build(list(variables))
+
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple[Any, Any]], weight: Any = None, **kwargs: Any
+    ) -> Any:
+        """The loss-scale optimizer's `apply_gradients`, accumulating inside.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs of scaled gradients.
+            weight: Optional weight of this micro-batch; see
+                `AccumulatingOptimizer.apply_gradients`.
+            **kwargs: The loss-scale optimizer's further arguments.
+
+        Returns:
+            What the loss-scale optimizer's `apply_gradients` returns.
+        """
+        with self._self_accumulation.weighing(weight), self._skips_uncounted():
+            return self.__wrapped__.apply_gradients(grads_and_vars, **kwargs)
+
+    def apply(
+        self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None, weight: Any = None
+    ) -> Any:
+        """The loss-scale optimizer's `apply`, accumulating inside.
+
+        Args:
+            grads: One scaled gradient per variable.
+            trainable_variables: The variables, in the order of `grads`.
+            weight: Optional weight of this micro-batch.
+
+        Returns:
+            What the loss-scale optimizer's `apply` returns.
+        """
+        with self._self_accumulation.weighing(weight):
+            return self.__wrapped__.apply(grads, trainable_variables)

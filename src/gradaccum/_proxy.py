@@ -1,0 +1,440 @@
+"""The optimizer proxy: `AccumulatingOptimizer`, and its core kind.
+
+`AccumulatingOptimizer` is a `wrapt.ObjectProxy`: to everyone else it is the
+optimizer it wraps. It comes in two kinds, both subclasses, and
+`AccumulatingOptimizer(optimizer, ...)` makes the one that fits `optimizer`:
+
+- `_Core` (this module) wraps a plain optimizer and accumulates: its own
+  state is one `gradaccum._accumulation.Accumulation`.
+- `gradaccum._loss_scale.LossScaleFront` wraps a loss-scale optimizer and
+  accumulates inside it, through a `_Core` installed as its inner optimizer.
+
+The public surface (`n`, `reduction`, `mode`, `micro_step`, `will_apply`,
+`accumulation_state`, `flush`, `minimize`, configs) is defined once, here,
+on the `Accumulation` both kinds share; each kind defines `build`, `built`,
+`apply_gradients` and `apply`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Iterable, Sequence
+
+import keras
+import tensorflow as tf
+import wrapt
+
+from gradaccum import _backend, _families, _saving
+from gradaccum._accumulation import Accumulation
+from gradaccum._family import OptimizerFamily
+from gradaccum._state import CHILD, AccumulationState, State
+from gradaccum._validation import check_mode, check_n, check_n_or_schedule, check_reduction
+
+
+class AccumulatingOptimizer(wrapt.ObjectProxy):
+    """A Keras optimizer that applies one update every `n` micro-batches.
+
+    The proxy is the wrapped optimizer to everyone else: `isinstance`,
+    `learning_rate`, `iterations`, `variables`, `get_config()` and `build()`
+    reach the wrapped instance. Each call of `apply_gradients()` (or
+    `apply()`) adds the gradients to float32 accumulators; on every `n`-th
+    call the wrapped optimizer applies their mean (or sum) once, so clipping,
+    weight decay, EMA, constraints, learning-rate schedules and `iterations`
+    see exactly what training on the `n`-times larger batch sees.
+
+    By default (`mode="masked"`) the update is branch-free: every call runs
+    the wrapped optimizer's update and keeps its result only on the apply
+    step. With `mode="skip"` the update runs only on the apply step.
+
+    Wrapping a loss-scale optimizer accumulates inside it, on its inner
+    optimizer: the result is still the loss-scale optimizer to other code,
+    and a non-finite micro-batch is dropped, not counted.
+
+    Create it with `gradaccum.accumulate()`.
+
+    Args:
+        optimizer: The Keras optimizer instance to wrap.
+        n: Micro-batches per update: an int >= 1, or a schedule, a callable
+            that takes the number of applied updates (an int64 tensor) and
+            returns the int for the next cycle; it runs inside the graph on
+            every micro-step, so it must be written with TensorFlow ops (for
+            example `lambda step: tf.where(step < 100, 2, 8)`).
+        reduction: `"mean"` applies the (weighted) mean of the micro-gradients
+            (for mean-reduced losses), `"sum"` their (weighted) sum.
+        mode: `"masked"` or `"skip"`: whether the wrapped optimizer's update
+            runs on every micro-step (its result kept only on the apply
+            step) or only on the apply step.
+
+    Raises:
+        TypeError: If `optimizer` is not a Keras optimizer or `n` is neither
+            an int nor a callable.
+        ValueError: If `n < 1`, `reduction` or `mode` is unknown,
+            `optimizer` already accumulates gradients, or the active Keras
+            backend is not TensorFlow.
+    """
+
+    # The kinds, in the order they are asked whether they handle an optimizer.
+    _KINDS: ClassVar[list[type]] = []
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        AccumulatingOptimizer._KINDS.insert(0, cls)
+
+    def __new__(cls, optimizer: Any = None, *args: Any, **kwargs: Any) -> AccumulatingOptimizer:
+        if cls is AccumulatingOptimizer:
+            cls = next(kind for kind in cls._KINDS if kind.handles(optimizer))
+        return super().__new__(cls)
+
+    @classmethod
+    def handles(cls, optimizer: Any) -> bool:
+        """Whether this kind wraps `optimizer` (the last kind takes the rest)."""
+        return True
+
+    def __init__(self, optimizer: Any, family: OptimizerFamily, accumulation: Accumulation):
+        super().__init__(optimizer)
+        # The wrapped optimizer's family, and the accumulation this proxy runs.
+        self._self_family = family
+        self._self_accumulation = accumulation
+
+    # ------------------------------------------------------------------
+    # Settings and state.
+
+    @property
+    def n(self) -> int | Callable[[tf.Tensor], Any]:
+        """Micro-batches per applied update: an int, or the schedule given.
+
+        Set it to an int between cycles (`opt.n = 8`); the change needs no
+        retracing, except to or from `n=1`: with `n=1` gradients go straight
+        to the wrapped optimizer, and a `tf.function` traced then keeps doing
+        so, so trace it anew after such a change. Setting another `n` after
+        such a trace warns, and running that function then raises (not
+        under XLA, which drops run-time assertions). Set mid-cycle, the current
+        cycle ends on the first micro-step at which it holds at least the new
+        `n` micro-batches, and applies the mean over all of them.
+
+        Raises:
+            TypeError/ValueError: When set to anything but an int >= 1, or
+                when `n` was given as a schedule.
+        """
+        return self._self_accumulation.cycle.value
+
+    @n.setter
+    def n(self, value: int) -> None:
+        self._self_accumulation.set_n(value)
+
+    @property
+    def reduction(self) -> str:
+        """`"mean"` or `"sum"`: how the micro-gradients are combined."""
+        return self._self_accumulation.reduction
+
+    @property
+    def mode(self) -> str:
+        """`"masked"` or `"skip"`: when the wrapped optimizer's update runs."""
+        return self._self_accumulation.mode
+
+    @property
+    def micro_step(self) -> tf.Tensor:
+        """Micro-batches accumulated in the current cycle (int64, 0..n-1)."""
+        return self._self_accumulation.micro_step()
+
+    @property
+    def will_apply(self) -> tf.Tensor:
+        """Boolean tensor: the next micro-step applies an update."""
+        return self._self_accumulation.will_apply()
+
+    @property
+    def accumulation_state(self) -> AccumulationState | None:
+        """A read-only view of the accumulation state; None until built.
+
+        See `gradaccum.AccumulationState`. For inspection and tests: the
+        variables in it are the live ones, not copies, and writing them
+        changes the cycle.
+        """
+        return self._self_accumulation.view()
+
+    def flush(self) -> None:
+        """Applies what the current cycle holds now, if it holds anything.
+
+        The update is the (weighted) mean over the micro-batches actually
+        accumulated (or their sum, for `reduction="sum"`); the cycle then
+        starts afresh. With an empty cycle nothing changes. Usable eagerly
+        and inside `tf.function`.
+        """
+        self._self_accumulation.flush()
+
+    def minimize(self, loss: Any, var_list: Any, *args: Any, **kwargs: Any) -> Any:
+        """Computes the gradients of `loss` and accumulates them.
+
+        The `minimize` of a tf_keras optimizer (which its `Model.fit` calls),
+        with the gradients going through this optimizer's `apply_gradients`.
+
+        Args:
+            loss: The loss tensor (with `tape`) or a callable returning it.
+            var_list: The variables to minimize `loss` for.
+            *args: The wrapped optimizer's further `minimize` arguments
+                (`tape`, ...).
+            **kwargs: The same, by name.
+
+        Returns:
+            What the wrapped optimizer's `minimize` returns.
+
+        Raises:
+            AttributeError: If the wrapped optimizer has no `minimize`
+                (Keras 3).
+        """
+        return self._self_family.minimize(self.apply_gradients, loss, var_list, *args, **kwargs)
+
+    # ------------------------------------------------------------------
+    # Configs.
+
+    @classmethod
+    def from_config(cls, config: dict, custom_objects: Any = None) -> AccumulatingOptimizer:
+        """Re-creates an `AccumulatingOptimizer` from its serialized config.
+
+        Args:
+            config: The `"config"` part of what `keras.saving.serialize_keras_object`
+                writes for an `AccumulatingOptimizer`: the wrapped optimizer's
+                serialized config, `n`, `reduction` and `mode`.
+            custom_objects: Passed on to Keras's deserialization.
+
+        Returns:
+            A new `AccumulatingOptimizer` around a new wrapped optimizer.
+
+        Raises:
+            ValueError: If `config` lacks `optimizer` or `n`.
+        """
+        optimizer, n, reduction, mode = _saving.arguments(config, custom_objects)
+        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode, _adopt=True)
+
+    def __repr__(self) -> str:
+        position = "?"
+        if tf.executing_eagerly():
+            position = str(int(self.micro_step.numpy()))
+        return (
+            f"<AccumulatingOptimizer n={self.n} "
+            f"reduction={self.reduction!r} mode={self.mode!r} micro_step={position} "
+            f"wrapping {self.__wrapped__!r}>"
+        )
+
+
+def accumulation_of(proxy: AccumulatingOptimizer) -> Accumulation:
+    """The accumulation a proxy runs (a loss-scale front shares its core's)."""
+    return proxy._self_accumulation
+
+
+def accumulating_in(optimizer: Any) -> AccumulatingOptimizer | None:
+    """The AccumulatingOptimizer in `optimizer` (itself or its inner one)."""
+    seen = optimizer
+    while seen is not None:
+        if isinstance(seen, AccumulatingOptimizer):
+            return seen
+        seen = getattr(seen, "inner_optimizer", None)
+    return None
+
+
+def wrappable_family(optimizer: Any) -> OptimizerFamily:
+    """The family of `optimizer`, or raises if it cannot be wrapped."""
+    _backend.check_supported()
+    if isinstance(optimizer, AccumulatingOptimizer):
+        raise ValueError(
+            "`optimizer` is already an AccumulatingOptimizer "
+            f"(n={optimizer.n}); wrapping it again would accumulate twice. "
+            "Pass the plain optimizer, or set the number of micro-batches "
+            "on the existing wrapper."
+        )
+    family = _families.family_of(optimizer)
+    if family is None:
+        hint = ""
+        if isinstance(optimizer, (int, type)) or callable(optimizer):
+            hint = (
+                " To decorate an optimizer class or factory, call "
+                "`accumulate(n=...)` with `n` as a keyword."
+            )
+        raise TypeError(
+            f"`optimizer` must be an optimizer instance ({_families.names()}). "
+            f"Received: {optimizer!r} of type {type(optimizer).__name__}.{hint}"
+        )
+    attribute = family.inner_attribute()
+    if attribute is not None and isinstance(getattr(optimizer, attribute), AccumulatingOptimizer):
+        raise ValueError(
+            "`optimizer` is a loss-scale optimizer around an "
+            "AccumulatingOptimizer already; wrapping it would accumulate twice."
+        )
+    family.check()
+    return family
+
+
+class _Core(AccumulatingOptimizer):
+    """The kind that accumulates: wraps an optimizer that is not a loss-scale one."""
+
+    def __init__(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        n: int | Callable[[tf.Tensor], Any],
+        reduction: str = "mean",
+        mode: str = "masked",
+        *,
+        _adopt: bool = False,
+    ):
+        family = wrappable_family(optimizer)
+        accumulation = Accumulation(
+            family,
+            check_n_or_schedule(n),
+            check_reduction(reduction),
+            check_mode(mode),
+            on_built=self._restore_deferred,
+        )
+        super().__init__(optimizer, family, accumulation)
+        if family.built:
+            accumulation.build(family.trainable_variables())
+
+    @property
+    def built(self) -> bool:
+        return self._self_accumulation.built
+
+    @built.setter
+    def built(self, value: bool) -> None:
+        self.__wrapped__.built = value
+
+    def build(self, variables: Sequence[Any]) -> None:
+        """Builds the wrapped optimizer (if needed) and the accumulators.
+
+        Without a call of `build`, the first `apply_gradients` builds the
+        optimizer for the variables it names. A Keras 3 or tf_keras 2.11+
+        optimizer then refuses gradients for other variables. A tf_keras
+        OptimizerV2 (`tf_keras.optimizers.legacy`) creates its state per
+        variable lazily, and so does the proxy around it: a gradient for a
+        variable met later (one that a loss-scale optimizer left out of an
+        earlier call because its gradient was `None`) adds that variable's
+        slots and accumulator then, and calling `build` again with more
+        variables adds those. Growing works eagerly and on the first trace
+        of a `tf.function`; a later trace cannot create variables and raises
+        `ValueError`, so build such an optimizer with all variables first
+        (`opt.build(model.trainable_variables)`).
+
+        Checkpoints hold the accumulators by position, in the order the
+        optimizer met the variables: those of the first `build` (or first
+        `apply_gradients`), then each one added later. Restore a checkpoint
+        into an optimizer that holds the same variables in that order: built
+        with them before the restore, or unbuilt, if its first step after the
+        restore meets them all (it then builds in that order and the
+        deferred values land). A step that would end the cycle while restored
+        sums wait for variables not met yet raises `ValueError` (a traced one
+        raises whenever it cannot add them). An optimizer built with all
+        variables before its first step, as above, always restores into one
+        built the same way.
+
+        Args:
+            variables: The trainable variables the optimizer will update.
+        """
+        self._self_accumulation.build(variables)
+
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Any, Any]],
+        weight: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Accumulates one micro-batch of gradients; applies every `n`-th.
+
+        Args:
+            grads_and_vars: `(gradient, variable)` pairs. A gradient may be
+                `None` (counted as zeros) or a `tf.IndexedSlices`.
+            weight: Optional weight of this micro-batch (a number >= 0 or a
+                scalar tensor), for example its sample or token count. The
+                update applies `sum(w_i * g_i) / sum(w_i)` (`"mean"`) or
+                `sum(w_i * g_i)` (`"sum"`); omitted, every micro-batch weighs 1.
+            **kwargs: Further keyword arguments of the wrapped optimizer's
+                `apply_gradients` (a tf_keras optimizer's `name`,
+                `skip_gradients_aggregation`,
+                `experimental_aggregate_gradients`), passed to it on the
+                applied update. A Keras 3 optimizer takes none.
+
+        Returns:
+            What the wrapped optimizer's `apply_gradients` returns: its
+            `iterations` (applied updates), or for a tf_keras OptimizerV2
+            traced in a graph an op.
+
+        Raises:
+            TypeError: If a keyword argument is not one the wrapped
+                optimizer's `apply_gradients` takes; see also `apply()`.
+            ValueError: See `apply()`.
+        """
+        family = self._self_family
+        options = family.apply_options(**kwargs)
+        pairs = list(grads_and_vars)
+        if pairs:
+            grads, variables = zip(*pairs)
+            self._self_accumulation.step(grads, variables, weight, options)
+        return family.apply_gradients_result()
+
+    def apply(
+        self,
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any] | None = None,
+        weight: Any = None,
+    ) -> None:
+        """Accumulates one micro-batch of gradients; applies every `n`-th.
+
+        Args:
+            grads: One gradient per variable (`None` counts as zeros).
+            trainable_variables: The variables, in the order of `grads`; if
+                omitted, those the optimizer was built with.
+            weight: Optional weight of this micro-batch; see `apply_gradients`.
+
+        Raises:
+            TypeError: If `weight` is not a number or scalar tensor.
+            ValueError: If a variable is not one the optimizer was built for
+                (and cannot be added to it, see `build`), if `grads` does not
+                match the built variables, if every gradient is `None`, or if
+                `weight` is negative or not finite.
+        """
+        self._self_accumulation.step(grads, trainable_variables, weight, {})
+
+    # ------------------------------------------------------------------
+    # Persistence: the wrapped optimizer's, plus the accumulation state.
+
+    def _restore_deferred(self, module: tf.Module) -> None:
+        """Restores state a checkpoint held for the module before it existed."""
+        self.__wrapped__._handle_deferred_dependencies(name=CHILD, trackable=module)
+
+    def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
+        children = dict(self.__wrapped__._trackable_children(save_type, **kwargs))
+        state = self._self_accumulation.state
+        if state is not None:
+            children[CHILD] = state.module
+        return children
+
+    def _lookup_dependency(self, name: str, cached_dependencies: Any = None) -> Any:
+        if name == CHILD:
+            state = self._self_accumulation.state
+            return None if state is None else state.module
+        return self.__wrapped__._lookup_dependency(name, cached_dependencies)
+
+    def save_own_variables(self, store: Any) -> None:
+        """Saves the wrapped optimizer's variables and the accumulation state.
+
+        Args:
+            store: The Keras weights store to write to.
+        """
+        self.__wrapped__.save_own_variables(store)
+        state = self._self_accumulation.state
+        if state is not None:
+            state.save(store)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Loads what `save_own_variables` wrote.
+
+        A store written by the plain optimizer loads into the wrapped one and
+        leaves the accumulators empty.
+
+        Args:
+            store: The Keras weights store to read from.
+
+        Raises:
+            ValueError: If the store was written with another `n`,
+                `reduction` or model.
+        """
+        keys = list(store.keys())
+        self.__wrapped__.load_own_variables({k: store[k] for k in keys if not State.owns_key(k)})
+        if any(State.owns_key(k) for k in keys):
+            self._self_accumulation.state.load(store)

@@ -1,0 +1,342 @@
+"""The accumulation state of one optimizer, and how it persists.
+
+`State` owns the variables being accumulated for and their index, one
+accumulator per variable, the micro-step counter, the sum of micro-batch
+weights, and which variables take part in updates. It is built once the
+wrapped optimizer is built, and grows with an optimizer that creates its
+state lazily (see `OptimizerFamily.grows`).
+
+Persistence. TensorFlow checkpoints (`tf.train.Checkpoint`,
+`BackupAndRestore`, SavedModel) reach the state through `State.module`, a
+`tf.Module` that the proxy adds to the wrapped optimizer's children as
+`gradient_accumulation`: the accumulators, the micro-step counter, the
+weight total, and as tensors the `n`/`reduction` the state was written with
+and which variables take part. Keras files (`.keras`, `.weights.h5`) reach it
+through `save`/`load`, under `gradaccum_*` keys beside the wrapped
+optimizer's own. Restoring state written with a different `n` or
+`reduction` raises instead of loading silently wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from gradaccum._backend import distribution, tensors
+from gradaccum._family import OptimizerFamily
+
+# The proxy's checkpoint child, and the prefix of its keys in Keras files.
+CHILD = "gradient_accumulation"
+KEY = "gradaccum_"
+_REDUCTION_CODES = {"mean": 0, "sum": 1}
+
+
+class AccumulationState(NamedTuple):
+    """A read-only view of an `AccumulatingOptimizer`'s accumulation state.
+
+    Attributes:
+        variables: The variables gradients are accumulated for, in the order
+            the optimizer met them (checkpoints hold the accumulators in this
+            order).
+        accumulators: One variable per entry of `variables`: the sum of its
+            (weighted) micro-gradients in the current cycle (float32, or
+            float64 for float64 variables). Under a distribution strategy,
+            replica-local: each replica holds its own sum.
+        micro_step: Micro-batches accumulated in the current cycle (int64).
+        weight_total: The sum of the micro-batch weights in the current
+            cycle (each unweighted micro-batch weighs 1); replica-local.
+        zero_buffers: Skip mode's shared vectors of zeros, by dtype, that
+            the accumulators are pointed at after each update (empty where
+            the mode keeps none; see `mode`).
+    """
+
+    variables: tuple[Any, ...]
+    accumulators: tuple[tf.Variable, ...]
+    micro_step: tf.Tensor
+    weight_total: tf.Tensor
+    zero_buffers: dict[tf.DType, tf.Variable]
+
+
+def _name(variable: Any) -> str:
+    return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
+
+
+def _describe_n(n: int) -> str:
+    return "a schedule" if n == 0 else f"n={n}"
+
+
+def _check_settings(saved_n: int, saved_reduction: str, n: int, reduction: str) -> None:
+    if saved_n != n:
+        raise ValueError(
+            "The checkpoint's gradient-accumulation state was written with "
+            f"{_describe_n(saved_n)}, but this optimizer accumulates with "
+            f"{_describe_n(n)}. Wrap the optimizer the same way to resume "
+            "this cycle, or restore into the plain optimizer to drop the "
+            "partial cycle."
+        )
+    if saved_reduction != reduction:
+        raise ValueError(
+            "The checkpoint's gradient-accumulation state was written with "
+            f"reduction={saved_reduction!r}, but this optimizer has "
+            f"reduction={reduction!r}."
+        )
+
+
+class _Checkpointed(tf.Module):
+    """What TensorFlow checkpoints hold of a `State` (see the module docstring)."""
+
+    def __init__(self, state: State, accumulators: list[tf.Variable], micro_step: tf.Variable, weight_total: tf.Variable):
+        super().__init__(name=CHILD)
+        self.accumulators = accumulators
+        self.micro_step = micro_step
+        self.weight_total = weight_total
+        self._state = state
+
+    # Written beside the variables; checked when read back. Which variables
+    # have had a gradient is Python state (it decides what a traced step
+    # updates); a resumed cycle needs it, or a variable whose gradient is
+    # None for the rest of the cycle would be left out of the update with
+    # its accumulated sum.
+    def _serialize_to_tensors(self) -> dict[str, tf.Tensor]:
+        state = self._state
+        return {
+            "n": tf.constant(state.n_code, dtype=tf.int64),
+            "reduction": tf.constant(state.reduction),
+            "seen": tf.constant(state.participation_mask()),
+        }
+
+    def _restore_from_tensors(self, restored_tensors: dict[str, tf.Tensor]) -> Any:
+        state = self._state
+        n, reduction = restored_tensors["n"], restored_tensors["reduction"]
+        if tf.executing_eagerly():
+            _check_settings(int(n), reduction.numpy().decode(), state.n_code, state.reduction)
+            state.set_participation(restored_tensors["seen"].numpy())
+            return tf.no_op()
+        # Traced restore functions (SavedModel) check in the graph.
+        return tf.group(
+            tf.debugging.assert_equal(
+                n, tf.constant(state.n_code, dtype=tf.int64),
+                message="gradient accumulation: n differs",
+            ),
+            tf.debugging.assert_equal(
+                reduction,
+                tf.constant(state.reduction),
+                message="gradient accumulation: reduction differs",
+            ),
+        )
+
+
+class State:
+    """Accumulators, counters and participation for one optimizer's variables.
+
+    Args:
+        family: The wrapped optimizer's family.
+        variables: The variables the optimizer is built for, in its order.
+        n_code: What checkpoints record as `n` (0 for a schedule); the
+            owner updates it when `n` changes.
+        reduction: `"mean"` or `"sum"`, recorded the same way.
+    """
+
+    def __init__(self, family: OptimizerFamily, variables: Sequence[Any], n_code: int, reduction: str):
+        self._family = family
+        self.variables: list[Any] = list(variables)
+        self._index = {family.var_key(v): i for i, v in enumerate(self.variables)}
+        self.n_code = n_code
+        self.reduction = reduction
+        # Indices of variables that have received a gradient: they take part
+        # in every update from then on (zeros on micro-steps without one).
+        self._participants: set[int] = set()
+        # Set when accumulators were restored from a file that did not say
+        # which variables had gradients: the participants are then read off
+        # the sums before the next step (`refresh_participants`).
+        self._restored_without_participants = False
+        with distribution.creation_scope(family.strategy()):
+            accumulators = self._new_accumulators(self.variables)
+            micro_step = distribution.mirrored_counter(0, name="micro_step")
+            weight_total = distribution.replica_local(tf.constant(0.0), name="weight_total")
+        self.module = _Checkpointed(self, accumulators, micro_step, weight_total)
+
+    @property
+    def accumulators(self) -> Sequence[tf.Variable]:
+        return self.module.accumulators
+
+    @property
+    def micro_step(self) -> tf.Variable:
+        return self.module.micro_step
+
+    @property
+    def weight_total(self) -> tf.Variable:
+        return self.module.weight_total
+
+    def _new_accumulators(self, variables: Sequence[Any]) -> list[tf.Variable]:
+        """One zero accumulator per variable (inside a creation scope)."""
+        return [
+            distribution.replica_local(
+                tf.zeros(v.shape, dtype=tensors.accumulator_dtype(v)),
+                name="accumulator",
+                colocate_with=self._family.model_variable(v),
+            )
+            for v in variables
+        ]
+
+    # ------------------------------------------------------------------
+    # Variables and their index.
+
+    def indices_of(self, variables: Sequence[Any]) -> list[int]:
+        """Each variable's index; adds those not met yet if the family grows.
+
+        Raises:
+            ValueError: For a variable the optimizer was not built for, if
+                the family does not grow (or cannot grow here).
+        """
+        var_key = self._family.var_key
+        new: dict[Any, Any] = {}
+        for v in variables:
+            key = var_key(v)
+            if key not in self._index:
+                new.setdefault(key, v)
+        if new:
+            if not self._family.grows:
+                raise ValueError(
+                    f"Received a gradient for variable {_name(next(iter(new.values())))!r}, "
+                    "which this optimizer was not built for. It was built for "
+                    f"{len(self.variables)} variables: "
+                    f"{[getattr(u, 'path', u.name) for u in self.variables]}."
+                    " Build a new optimizer for a new set of variables."
+                )
+            self._grow(list(new.values()))
+        return [self._index[var_key(v)] for v in variables]
+
+    def _grow(self, variables: list[Any]) -> None:
+        """Extends the state to variables met after `build`.
+
+        For optimizers that create their per-variable state lazily (a tf_keras
+        OptimizerV2, which a loss-scale optimizer may first call with only the
+        variables that have gradients): their slots and accumulators are
+        created as `build` creates them, and the variables are appended to the
+        built ones, so existing indices (and checkpoint positions) stay.
+        """
+        traced = not tf.executing_eagerly()
+        try:
+            with distribution.creation_scope(self._family.strategy()):
+                accumulators = self._new_accumulators(variables)
+            self._family.grow(variables)  # last: nothing is recorded if a creation fails
+        except ValueError as error:
+            if not traced:
+                raise
+            raise ValueError(
+                f"Received gradients for variables {[getattr(v, 'name', repr(v)) for v in variables]}, "
+                "which this optimizer was not built for, inside a `tf.function` that "
+                "cannot create their accumulation state (a `tf.function` "
+                "creates variables on its first trace only). Build the "
+                "optimizer with all variables before the first step: "
+                "`opt.build(model.trainable_variables)`."
+            ) from error
+        start = len(self.variables)
+        for i, v in enumerate(variables):
+            self._index[self._family.var_key(v)] = start + i
+        self.variables.extend(variables)
+        # Appended to the tracked list: checkpointed as the next positions,
+        # and restored there from a checkpoint read before they existed.
+        self.module.accumulators.extend(accumulators)
+
+    # ------------------------------------------------------------------
+    # Which variables take part.
+
+    def take_part(self, index: int) -> None:
+        """Variable `index` has received a gradient."""
+        self._participants.add(index)
+
+    def participants(self) -> list[int]:
+        """Indices of the variables that take part, among those held."""
+        return sorted(i for i in self._participants if i < len(self.accumulators))
+
+    def has_participants(self) -> bool:
+        return bool(self._participants)
+
+    def unmet(self) -> list[int]:
+        """Taking part by a restore, but not met by this optimizer yet."""
+        return sorted(i for i in self._participants if i >= len(self.variables))
+
+    def left_out(self) -> list[int]:
+        """Held, but not taking part (no gradient so far)."""
+        return [i for i in range(len(self.variables)) if i not in self._participants]
+
+    def refresh_participants(self) -> None:
+        """After a restore that did not say which variables take part: those
+        whose accumulators hold sums do. Reads them once (eagerly, also while
+        tracing)."""
+        if not self._restored_without_participants:
+            return
+        self._restored_without_participants = False
+        with tf.init_scope():
+            for i, acc in enumerate(self.accumulators):
+                if i not in self._participants and bool(
+                    tf.reduce_any(tf.not_equal(tf.convert_to_tensor(acc), 0)).numpy()
+                ):
+                    self._participants.add(i)
+
+    def participation_mask(self) -> np.ndarray:
+        return np.array([i in self._participants for i in range(len(self.accumulators))])
+
+    def set_participation(self, mask: Any) -> None:
+        self._participants.clear()
+        self._participants.update(int(i) for i in np.flatnonzero(np.asarray(mask)))
+
+    # ------------------------------------------------------------------
+    # Keras files.
+
+    @staticmethod
+    def owns_key(key: str) -> bool:
+        """Whether a Keras weights-store key is one `save` writes."""
+        return key.startswith(KEY)
+
+    def save(self, store: Any) -> None:
+        """Writes the state into a Keras weights store."""
+        store[f"{KEY}n"] = np.asarray(self.n_code, dtype=np.int64)
+        store[f"{KEY}reduction"] = np.asarray(_REDUCTION_CODES[self.reduction])
+        store[f"{KEY}micro_step"] = np.asarray(self.micro_step.numpy())
+        store[f"{KEY}weight_total"] = np.asarray(self.weight_total.numpy())
+        store[f"{KEY}seen"] = self.participation_mask()
+        for i, acc in enumerate(self.accumulators):
+            store[f"{KEY}accumulator_{i}"] = np.asarray(acc.numpy())
+
+    def load(self, store: Any) -> None:
+        """Reads what `save` wrote.
+
+        Raises:
+            ValueError: If the store was written with another `n`,
+                `reduction` or model.
+        """
+        reduction = {v: k for k, v in _REDUCTION_CODES.items()}.get(
+            int(np.asarray(store[f"{KEY}reduction"])), "?"
+        )
+        _check_settings(int(np.asarray(store[f"{KEY}n"])), reduction, self.n_code, self.reduction)
+        count = sum(1 for k in store.keys() if k.startswith(f"{KEY}accumulator_"))
+        if count != len(self.accumulators):
+            raise ValueError(
+                f"The saved gradient-accumulation state has {count} "
+                f"accumulators, but this optimizer has {len(self.accumulators)} "
+                "(one per trainable variable): it was saved for another model."
+            )
+        for i, acc in enumerate(self.accumulators):
+            value = np.asarray(store[f"{KEY}accumulator_{i}"])
+            if tuple(value.shape) != tuple(acc.shape):
+                raise ValueError(
+                    f"Saved accumulator {i} has shape {tuple(value.shape)}, "
+                    f"but this optimizer's variable {i} has shape "
+                    f"{tuple(acc.shape)}."
+                )
+            acc.assign(distribution.per_replica_share(value))
+        self.micro_step.assign(int(np.asarray(store[f"{KEY}micro_step"])))
+        if f"{KEY}seen" in store.keys():
+            self.set_participation(store[f"{KEY}seen"])
+        else:  # written before the mask was saved: read it off the sums
+            self._restored_without_participants = True
+        if f"{KEY}weight_total" in store.keys():
+            total = np.asarray(store[f"{KEY}weight_total"])
+        else:  # written before weights existed: every micro-batch weighed 1
+            total = np.asarray(self.micro_step.numpy(), np.float32)
+        self.weight_total.assign(distribution.per_replica_share(total))

@@ -1,0 +1,238 @@
+"""Cycle strategies: how a micro-step adds, and how a cycle ends.
+
+One strategy is chosen per optimizer, once, when its state is built
+(`choose`), from the `mode` and what the optimizer family allows:
+
+- `Masked` (`mode="masked"`): every micro-step runs the wrapped optimizer's
+  update and keeps its effect only on the apply step, with no branch around
+  it (`updates.masked_update`). The accumulators are added into in place and,
+  on the apply step, divided in place, so the update reads them directly.
+- `Skipped` (`mode="skip"`, optimizers that grow): the update runs only on
+  apply steps (`updates.skipped_update`), and inside that branch the
+  accumulators are divided, applied and zeroed.
+- `SkippedIntoNew` (`mode="skip"`, every other optimizer): the update runs
+  only on apply steps too, taking the path through memory that Keras's own
+  `gradient_accumulation_steps` takes, so that it costs what that costs:
+  each micro-step adds into a new tensor (`acc = acc + g`, which may take
+  over the gradient's buffer) instead of in place; the update's branch
+  takes reads of the accumulators (and the weight total) as inputs instead
+  of reading them itself, since a branch that touches a variable waits for
+  every earlier write to it; it divides them into new tensors its own
+  arithmetic can write into (`tensors.quotients`); and after the update each
+  accumulator is pointed at a shared vector of zeros (`tensors.cleared_if`)
+  instead of being filled with zeros. Memory is about what Keras's option
+  takes: the accumulators, the zero vector (as long as the longest
+  accumulator; Keras keeps zeros of every variable), and while a micro-step
+  adds, each new sum next to the old one.
+
+All three give the same results (tested).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import tensorflow as tf
+
+from gradaccum._backend import distribution, tensors, updates
+from gradaccum._family import OptimizerFamily
+from gradaccum._state import State
+
+
+class CycleStrategy:
+    """What every strategy shares: adding, the mean's divisor, applying.
+
+    Args:
+        state: The accumulation state (built).
+        family: The wrapped optimizer's family.
+        reduction: `"mean"` or `"sum"`.
+    """
+
+    # Whether a dense micro-gradient is added into a new tensor.
+    into_new = False
+
+    def __init__(self, state: State, family: OptimizerFamily, reduction: str):
+        self.state = state
+        self.family = family
+        self.reduction = reduction
+        # Whether any micro-batch was given a weight (decided while tracing).
+        self.weighted = False
+
+    @property
+    def zero_buffers(self) -> dict[tf.DType, tf.Variable]:
+        """Shared zero vectors the strategy keeps (none by default)."""
+        return {}
+
+    def add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any) -> None:
+        """Adds one micro-step's (weighted) gradients to the accumulators."""
+        state = self.state
+        if weight is not None:
+            self.weighted = True
+            weight = tf.cast(weight, tf.float32)
+        for g, i in zip(grads, indices):
+            if g is None:
+                continue
+            tensors.add_into(state.accumulators[i], g, weight, self.into_new)
+            state.take_part(i)
+        state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
+
+    def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
+        """Runs the update of `included` variables; on `keep_new`, keeps it
+        and clears the accumulators and the weight total.
+
+        Args:
+            keep_new: Scalar boolean tensor: this micro-step ends the cycle.
+            included: Indices of the variables taking part.
+            options: The wrapped optimizer's extra `apply_gradients`
+                arguments (see `OptimizerFamily.apply_options`).
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------
+    # Shared pieces.
+
+    def divisor(self) -> Callable[[], tf.Tensor] | None:
+        """What the accumulated sum is divided by (None for `"sum"`).
+
+        Unweighted, each replica divides its sum by its own micro-batch count
+        and the wrapped optimizer's all-reduce adds the replicas' shares, as
+        in plain training. Weighted, the divisor is the weight total over all
+        replicas (one scalar all-reduce) divided by the replica count, since
+        Keras already scales every replica's loss by 1 / replicas.
+
+        Returns a function that gives the divisor, to be called where it is
+        needed (inside the branch that divides); the all-reduce, which must
+        not run inside a branch, runs here, unconditionally.
+        """
+        if self.reduction == "sum":
+            return None
+        weight_total = self.state.weight_total
+        replicas = distribution.replicas_in_sync()
+        total = None
+        if self.weighted and replicas > 1:
+            total = distribution.sum_over_replicas(weight_total.value()) / float(replicas)
+
+        def divisor() -> tf.Tensor:
+            t = weight_total.value() if total is None else total
+            # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
+            return tf.where(t > 0, t, tf.ones_like(t))
+
+        return divisor
+
+    def _pieces(self, included: list[int]) -> tuple[list[tf.Variable], list[Any], list[tf.Variable], list[tf.Variable]]:
+        """The included accumulators and variables, the variables an update
+        writes, and what the end of a cycle clears."""
+        state = self.state
+        accumulators = [state.accumulators[i] for i in included]
+        variables = [state.variables[i] for i in included]
+        written = [self.family.model_variable(v) for v in variables]
+        return accumulators, variables, written, accumulators + [state.weight_total]
+
+    def apply(self, values: Sequence[tf.Tensor], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+        """The wrapped optimizer's update with the accumulated `values`.
+
+        Under several replicas, where the optimizer clips each replica's
+        share, clips what one device training on the large batch would clip.
+        """
+        grads = [tf.cast(g, tf.as_dtype(v.dtype)) for g, v in zip(values, variables)]
+        clip = self.family.replica_clip()
+        if clip is not None and distribution.replicas_in_sync() > 1:
+            grads = distribution.clip_as_one_device(grads, clip)
+        self.family.apply(grads, variables, options)
+
+
+def _read(accumulators: Sequence[tf.Variable]) -> list[tf.Tensor]:
+    # In replica context: each replica reads its own accumulators.
+    # `read_value()`, not `value()`: under MultiWorkerMirroredStrategy the
+    # gradient all-reduce needs a read placed on the variable's device.
+    # Either read shares the variable's buffer.
+    return [a.read_value() for a in accumulators]
+
+
+class Masked(CycleStrategy):
+    """Branch-free: the update runs on every micro-step, kept on apply steps.
+
+    On the apply step each accumulator is divided where it is (for
+    `"mean"`) and the update reads the accumulators themselves: no second
+    copy of the accumulated gradients is allocated (see
+    `tensors.divide_in_place`). An in-between step's update reads the
+    undivided sums; its result is discarded anyway.
+    """
+
+    def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
+        accumulators, variables, written, cleared = self._pieces(included)
+        family = self.family
+        divisor = self.divisor()
+        if divisor is not None:
+            tensors.divide_if(keep_new, accumulators, divisor)
+        # Every variable the optimizer was built for, not only those in this
+        # update: with `ema_overwrite_frequency` Keras overwrites all of them
+        # with their moving averages, gradient or not.
+        tracked = family.state_variables()
+        tracked += [family.model_variable(v) for v in self.state.variables]
+        updates.masked_update(
+            family.strategy(),
+            keep_new,
+            tracked,
+            lambda: self.apply(_read(accumulators), variables, options),
+            masks_writes=family.masks_writes,
+        )
+        tensors.zero_if(keep_new, cleared, after=written)
+
+
+class Skipped(CycleStrategy):
+    """The update runs only on apply steps; the accumulators are divided in
+    place, applied and zeroed inside its branch."""
+
+    def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
+        accumulators, variables, written, cleared = self._pieces(included)
+
+        def apply_and_clear(keep_new: tf.Tensor) -> None:
+            divisor = self.divisor()
+            if divisor is not None:
+                tensors.divide_in_place(accumulators, divisor())
+            self.apply(_read(accumulators), variables, options)
+            # `keep_new` is True here: its negation is a run-time zero.
+            tensors.zero(cleared, tf.logical_not(keep_new), after=written)
+
+        # `keep_new` as an argument: it is a per-replica input.
+        updates.skipped_update(keep_new, apply_and_clear, keep_new)
+
+
+class SkippedIntoNew(CycleStrategy):
+    """Skip mode along Keras's own path through memory (module docstring)."""
+
+    into_new = True
+
+    def __init__(self, state: State, family: OptimizerFamily, reduction: str):
+        super().__init__(state, family, reduction)
+        with distribution.creation_scope(family.strategy()):
+            self._zeros = tensors.zero_buffers(state.accumulators)
+
+    @property
+    def zero_buffers(self) -> dict[tf.DType, tf.Variable]:
+        return dict(self._zeros)
+
+    def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
+        accumulators, variables, _, cleared = self._pieces(included)
+        values = _read(accumulators)
+        divisor = self.divisor()
+        # Read here, not in the branch: a branch that reads the weight total
+        # would make the clearing below wait for the whole update.
+        inputs = [values] if divisor is None else [values, divisor()]
+
+        def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
+            quotients = values if divisor is None else tensors.quotients(values, divisor)
+            self.apply(quotients, variables, options)
+
+        updates.skipped_update(keep_new, apply_sums, *inputs)
+        tensors.cleared_if(keep_new, cleared, self._zeros)
+
+
+def choose(mode: str, state: State, family: OptimizerFamily, reduction: str) -> CycleStrategy:
+    """The strategy for `mode` on this optimizer (see the module docstring)."""
+    if mode == "masked":
+        return Masked(state, family, reduction)
+    if not family.grows and all(tensors.shares_zeros(a) for a in state.accumulators):
+        return SkippedIntoNew(state, family, reduction)
+    return Skipped(state, family, reduction)
