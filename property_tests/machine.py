@@ -207,6 +207,9 @@ class MachineBase(RuleBasedStateMachine):
     def _after_shadow_skipped(self) -> None:
         """Called after the shadow's loss-scale optimizer skipped a step."""
 
+    def _after_shadow_restored(self) -> None:
+        """Called after the shadow's variables were set back to a checkpoint's."""
+
     def __init__(self):
         super().__init__()
         self.tmp = tempfile.mkdtemp(prefix="gradaccum-props-")
@@ -409,6 +412,7 @@ class MachineBase(RuleBasedStateMachine):
             v.assign(value)
         for v, value in zip(self._optimizer_variables(self.shadow), shadow_opt):
             v.assign(value)
+        self._after_shadow_restored()
         self.read_fn = None
 
     @rule()

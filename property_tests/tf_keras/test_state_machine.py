@@ -76,6 +76,12 @@ class TfKerasAccumulationMachine(MachineBase):
         if hasattr(inner, "_u_product_counter"):
             inner._u_product_counter = int(inner.iterations.numpy()) + 1
 
+    # Setting the shadow's variables back to a checkpoint's moves its
+    # `iterations` back but not that counter, which then says the product of
+    # a later step is already cached; plain training restored into a fresh
+    # optimizer, as the subject is, recomputes it.
+    _after_shadow_restored = _after_shadow_skipped
+
     def _loss_scale(self) -> tuple[float, int]:
         return float(self.opt.loss_scale), int(self.opt.dynamic_counter.numpy())
 
