@@ -22,6 +22,42 @@ N, B, CYCLES = 3, 4, 3
 
 
 # ----------------------------------------------------------------------
+# The read-only view of the accumulation state.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulation_state_shows_the_sums_of_the_current_cycle(mode):
+    """`accumulation_state` holds, mid-cycle, the sum of the micro-gradients
+    (computed here independently) and the micro-step count; after the
+    apply step, zeros."""
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.SGD(0.1), N, mode=mode)
+    assert opt.accumulation_state is None
+    opt.build(model.trainable_variables)
+    x, y = make_data(B * N)
+    loss_fn = keras.losses.MeanSquaredError()
+    expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
+    for k in range(N):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[k * B : (k + 1) * B], model(x[k * B : (k + 1) * B]))
+        grads = tape.gradient(loss, model.trainable_variables)
+        weight = float(k + 1)
+        if k < N - 1:
+            expected = [e + weight * g.numpy() for e, g in zip(expected, grads)]
+        opt.apply_gradients(zip(grads, model.trainable_variables), weight=weight)
+        state = opt.accumulation_state
+        if k < N - 1:
+            assert int(state.micro_step) == k + 1
+            assert float(state.weight_total) == sum(range(1, k + 2))
+            for acc, e in zip(state.accumulators, expected):
+                np.testing.assert_allclose(acc.numpy(), e, rtol=1e-6, atol=1e-7)
+    assert [id(v) for v in state.variables] == [id(v) for v in model.trainable_variables]
+    assert int(state.micro_step) == 0 and float(state.weight_total) == 0.0
+    assert all(not np.any(a.numpy()) for a in state.accumulators)
+    assert bool(state.zero_buffers) is (mode == "skip")
+
+
+# ----------------------------------------------------------------------
 # Things the optimizer does once per update happen once per cycle.
 
 PER_UPDATE = {
@@ -440,6 +476,16 @@ def test_rejects_double_accumulation():
         accumulate(keras.optimizers.Adam(gradient_accumulation_steps=2), 2)
     with pytest.raises(ValueError, match="already an AccumulatingOptimizer"):
         accumulate(accumulate(keras.optimizers.Adam(), 2), 2)
+
+
+def test_other_keras_backends_are_refused_by_name(monkeypatch):
+    """On a backend gradaccum does not run on, wrapping fails at once and
+    names it, instead of failing later inside `build` or `fit`."""
+    monkeypatch.setattr(keras.config, "backend", lambda: "jax")
+    with pytest.raises(ValueError, match="'jax'.*KERAS_BACKEND=tensorflow"):
+        accumulate(keras.optimizers.Adam(), 2)
+    with pytest.raises(ValueError, match="'jax'"):
+        accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), 2)
 
 
 def test_unknown_reduction():
