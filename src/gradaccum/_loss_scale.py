@@ -118,14 +118,6 @@ class LossScaleFront(AccumulatingOptimizer):
         finally:
             object.__setattr__(lso, attribute, core)
 
-    @property
-    def built(self) -> bool:
-        return self._self_core.built
-
-    @built.setter
-    def built(self, value: bool) -> None:
-        self.__wrapped__.built = value
-
     def build(self, variables: Sequence[Any]) -> None:
         """Builds the loss-scale optimizer and the core.
 

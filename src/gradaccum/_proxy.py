@@ -10,8 +10,8 @@ optimizer it wraps. It comes in two kinds, both subclasses, and
   accumulates inside it, through a `_Core` installed as its inner optimizer.
 
 The public surface (`n`, `reduction`, `mode`, `micro_step`, `will_apply`,
-`accumulation_state`, `flush`, `minimize`, configs) is defined once, here,
-on the `Accumulation` both kinds share; each kind defines `build`, `built`,
+`accumulation_state`, `built`, `flush`, `minimize`, configs) is defined once, here,
+on the `Accumulation` both kinds share; each kind defines `build`,
 `apply_gradients` and `apply`.
 """
 
@@ -140,6 +140,15 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     def will_apply(self) -> tf.Tensor:
         """Boolean tensor: the next micro-step applies an update."""
         return self._self_accumulation.will_apply()
+
+    @property
+    def built(self) -> bool:
+        """Whether the wrapped optimizer and the accumulation state are built."""
+        return self._self_accumulation.built
+
+    @built.setter
+    def built(self, value: bool) -> None:
+        self.__wrapped__.built = value
 
     @property
     def accumulation_state(self) -> AccumulationState | None:
@@ -286,14 +295,6 @@ class _Core(AccumulatingOptimizer):
         super().__init__(optimizer, family, accumulation)
         if family.built:
             accumulation.build(family.trainable_variables())
-
-    @property
-    def built(self) -> bool:
-        return self._self_accumulation.built
-
-    @built.setter
-    def built(self, value: bool) -> None:
-        self.__wrapped__.built = value
 
     def build(self, variables: Sequence[Any]) -> None:
         """Builds the wrapped optimizer (if needed) and the accumulators.
