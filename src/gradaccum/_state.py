@@ -256,6 +256,15 @@ class State:
     def has_participants(self) -> bool:
         return bool(self._participants)
 
+    def keeps_maximum(self, index: int) -> bool:
+        """Whether variable `index` takes its cycle's maximum, not a mean.
+
+        True for Keras variables marked `overwrite_with_gradient`: the wrapped
+        optimizer assigns their "gradient" (their new value) to them. Read
+        when a step is traced, as Keras reads it when it applies gradients.
+        """
+        return bool(getattr(self.variables[index], "overwrite_with_gradient", False))
+
     def unmet(self) -> list[int]:
         """Taking part by a restore, but not met by this optimizer yet."""
         return sorted(i for i in self._participants if i >= len(self.variables))

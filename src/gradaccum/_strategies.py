@@ -26,6 +26,12 @@ One strategy is chosen per optimizer, once, when its state is built
   adds, each new sum next to the old one.
 
 All three give the same results (tested).
+
+Variables Keras marks `overwrite_with_gradient` (float8 scales and amax
+histories) are not averaged: their "gradient" is their new value, and, as
+under Keras's own `gradient_accumulation_steps`, a cycle keeps the
+elementwise maximum of its values (`State.keeps_maximum`), which the apply
+step writes undivided.
 """
 
 from __future__ import annotations
@@ -72,7 +78,12 @@ class CycleStrategy:
         for g, i in zip(grads, indices):
             if g is None:
                 continue
-            tensors.add_into(state.accumulators[i], g, weight, self.into_new)
+            if state.keeps_maximum(i):
+                # A weight scales a contribution to a mean or a sum; a
+                # maximum has none to scale.
+                tensors.max_into(state.accumulators[i], g)
+            else:
+                tensors.add_into(state.accumulators[i], g, weight, self.into_new)
             state.take_part(i)
         state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
 
@@ -119,14 +130,16 @@ class CycleStrategy:
 
         return divisor
 
-    def _pieces(self, included: list[int]) -> tuple[list[tf.Variable], list[Any], list[tf.Variable], list[tf.Variable]]:
-        """The included accumulators and variables, the variables an update
-        writes, and what the end of a cycle clears."""
+    def _pieces(self, included: list[int]) -> tuple[list[tf.Variable], list[tf.Variable], list[Any], list[tf.Variable], list[tf.Variable]]:
+        """The included accumulators, those of them the mean divides (not
+        maxima), their variables, the variables an update writes, and what
+        the end of a cycle clears."""
         state = self.state
         accumulators = [state.accumulators[i] for i in included]
+        divided = [state.accumulators[i] for i in included if not state.keeps_maximum(i)]
         variables = [state.variables[i] for i in included]
         written = [self.family.model_variable(v) for v in variables]
-        return accumulators, variables, written, accumulators + [state.weight_total]
+        return accumulators, divided, variables, written, accumulators + [state.weight_total]
 
     def apply(self, values: Sequence[tf.Tensor], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
         """The wrapped optimizer's update with the accumulated `values`.
@@ -160,11 +173,11 @@ class Masked(CycleStrategy):
     """
 
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
-        accumulators, variables, written, cleared = self._pieces(included)
+        accumulators, divided, variables, written, cleared = self._pieces(included)
         family = self.family
         divisor = self.divisor()
         if divisor is not None:
-            tensors.divide_if(keep_new, accumulators, divisor)
+            tensors.divide_if(keep_new, divided, divisor)
         # Every variable the optimizer was built for, not only those in this
         # update: with `ema_overwrite_frequency` Keras overwrites all of them
         # with their moving averages, gradient or not.
@@ -185,12 +198,12 @@ class Skipped(CycleStrategy):
     place, applied and zeroed inside its branch."""
 
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
-        accumulators, variables, written, cleared = self._pieces(included)
+        accumulators, divided, variables, written, cleared = self._pieces(included)
 
         def apply_and_clear(keep_new: tf.Tensor) -> None:
             divisor = self.divisor()
             if divisor is not None:
-                tensors.divide_in_place(accumulators, divisor())
+                tensors.divide_in_place(divided, divisor())
             self.apply(_read(accumulators), variables, options)
             # `keep_new` is True here: its negation is a run-time zero.
             tensors.zero(cleared, tf.logical_not(keep_new), after=written)
@@ -214,7 +227,8 @@ class SkippedIntoNew(CycleStrategy):
         return dict(self._zeros)
 
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
-        accumulators, variables, _, cleared = self._pieces(included)
+        accumulators, _, variables, _, cleared = self._pieces(included)
+        maxima = [self.state.keeps_maximum(i) for i in included]
         values = _read(accumulators)
         divisor = self.divisor()
         # Read here, not in the branch: a branch that reads the weight total
@@ -222,8 +236,11 @@ class SkippedIntoNew(CycleStrategy):
         inputs = [values] if divisor is None else [values, divisor()]
 
         def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
-            quotients = values if divisor is None else tensors.quotients(values, divisor)
-            self.apply(quotients, variables, options)
+            if divisor is not None:
+                sums = [v for v, m in zip(values, maxima) if not m]
+                quotients = iter(tensors.quotients(sums, divisor) if sums else [])
+                values = [v if m else next(quotients) for v, m in zip(values, maxima)]
+            self.apply(values, variables, options)
 
         updates.skipped_update(keep_new, apply_sums, *inputs)
         tensors.cleared_if(keep_new, cleared, self._zeros)

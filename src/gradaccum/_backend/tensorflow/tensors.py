@@ -50,6 +50,12 @@ def add_into(accumulator: tf.Variable, grad: Any, weight: Any, into_new: bool) -
         accumulator.assign_add(grad)
 
 
+def max_into(accumulator: tf.Variable, value: Any) -> None:
+    """Sets `accumulator` to the elementwise maximum of itself and `value`."""
+    value = tf.cast(tf.convert_to_tensor(value), accumulator.dtype)
+    accumulator.assign(tf.maximum(accumulator.value(), value), read_value=False)
+
+
 def any_nonzero(values: Sequence[Any]) -> tf.Tensor:
     """Scalar boolean tensor: some element of some of `values` is not 0."""
     return tf.reduce_any(tf.stack([tf.reduce_any(tf.not_equal(v, 0)) for v in values]))
