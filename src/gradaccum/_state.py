@@ -11,10 +11,14 @@ Persistence. TensorFlow checkpoints (`tf.train.Checkpoint`,
 `tf.Module` that the proxy adds to the wrapped optimizer's children as
 `gradient_accumulation`: the accumulators, the micro-step counter, the
 weight total, and as tensors the `n`/`reduction` the state was written with
-and which variables take part. Keras files (`.keras`, `.weights.h5`) reach it
-through `save`/`load`, under `gradaccum_*` keys beside the wrapped
-optimizer's own. Restoring state written with a different `n` or
-`reduction` raises instead of loading silently wrong.
+and which variables take part; a checkpoint matches accumulators by position.
+Keras files (`.keras`, `.weights.h5`) reach it through `save`/`load`, under
+`gradaccum_*` keys beside the wrapped optimizer's own, with each
+accumulator's variable named (`gradaccum_names`), so that a model that lists
+its variables in another order once reloaded (a float8-quantized `Dense`
+lists its scales first) gets each sum back on its variable. Restoring state
+written with a different `n` or `reduction` raises instead of loading
+silently wrong.
 """
 
 from __future__ import annotations
@@ -61,6 +65,42 @@ class AccumulationState(NamedTuple):
 
 def _name(variable: Any) -> str:
     return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
+
+
+def _path(variable: Any) -> str:
+    """A variable's path (Keras 3) or name without its `:0` (TensorFlow)."""
+    path = getattr(variable, "path", None) or variable.name
+    return path[:-2] if path.endswith(":0") else path
+
+
+def relative_names(variables: Sequence[Any]) -> list[str]:
+    """The variables' paths without the leading components they all share.
+
+    A variable's path depends on the name scope it was created in: a model
+    built in Python and the same model loaded from a file may give the same
+    variables paths that differ by a leading model name (`mlp/dense/kernel`
+    and `dense/kernel`). What follows the common prefix names each variable
+    the same way in both. The last component is never dropped.
+    """
+    parts = [_path(v).split("/") for v in variables]
+    common = 0
+    if parts:
+        shortest = min(len(p) for p in parts) - 1
+        while common < shortest and all(p[common] == parts[0][common] for p in parts):
+            common += 1
+    return ["/".join(p[common:]) for p in parts]
+
+
+def _encode_names(names: list[str]) -> np.ndarray:
+    # Keras stores hold numeric arrays only: UTF-8 bytes, separated by NUL
+    # (which no variable name contains).
+    return np.frombuffer("\0".join(names).encode("utf-8"), dtype=np.uint8)
+
+
+def _decode_names(encoded: Any, count: int) -> list[str]:
+    if not count:
+        return []
+    return np.asarray(encoded, dtype=np.uint8).tobytes().decode("utf-8").split("\0")
 
 
 def _describe_n(n: int) -> str:
@@ -303,45 +343,86 @@ class State:
         return key.startswith(KEY)
 
     def save(self, store: Any) -> None:
-        """Writes the state into a Keras weights store."""
+        """Writes the state into a Keras weights store.
+
+        Accumulator `i` goes under `accumulator_{i}`, and `names` lists each
+        one's variable by its `relative_names`.
+        """
         store[f"{KEY}n"] = np.asarray(self.n_code, dtype=np.int64)
         store[f"{KEY}reduction"] = np.asarray(_REDUCTION_CODES[self.reduction])
         store[f"{KEY}micro_step"] = np.asarray(self.micro_step.numpy())
         store[f"{KEY}weight_total"] = np.asarray(self.weight_total.numpy())
         store[f"{KEY}seen"] = self.participation_mask()
+        store[f"{KEY}names"] = _encode_names(relative_names(self.variables))
         for i, acc in enumerate(self.accumulators):
-            store[f"{KEY}accumulator_{i}"] = np.asarray(acc.numpy())
+            if self.keeps_maximum(i) and isinstance(acc, tf.distribute.DistributedValues):
+                # A replica-local variable reads as the sum of the replicas'
+                # copies; a maximum is the maximum of them.
+                value = np.max([np.asarray(v.numpy()) for v in acc.values], axis=0)
+            else:
+                value = np.asarray(acc.numpy())
+            store[f"{KEY}accumulator_{i}"] = value
 
     def load(self, store: Any) -> None:
-        """Reads what `save` wrote.
+        """Reads what `save` wrote (or an older store without `names`).
+
+        Accumulators are matched to variables by name when the saved names
+        and this optimizer's are the same set of distinct names; otherwise
+        (names written by a model with other layer names, or none written)
+        by position, as the wrapped Keras optimizer loads its own variables.
 
         Raises:
             ValueError: If the store was written with another `n`,
-                `reduction` or model.
+                `reduction` or model (naming the variables that differ).
         """
         reduction = {v: k for k, v in _REDUCTION_CODES.items()}.get(
             int(np.asarray(store[f"{KEY}reduction"])), "?"
         )
         _check_settings(int(np.asarray(store[f"{KEY}n"])), reduction, self.n_code, self.reduction)
         count = sum(1 for k in store.keys() if k.startswith(f"{KEY}accumulator_"))
+        names = relative_names(self.variables)
+        saved_names = None
+        if f"{KEY}names" in store.keys():
+            saved_names = _decode_names(store[f"{KEY}names"], count)
         if count != len(self.accumulators):
+            differ = ""
+            if saved_names is not None:
+                only_saved = [m for m in saved_names if m not in names][:5]
+                only_here = [m for m in names if m not in saved_names][:5]
+                differ = f" Saved only: {only_saved}; here only: {only_here}."
             raise ValueError(
                 f"The saved gradient-accumulation state has {count} "
                 f"accumulators, but this optimizer has {len(self.accumulators)} "
-                "(one per trainable variable): it was saved for another model."
+                f"(one per trainable variable): it was saved for another model.{differ}"
             )
-        for i, acc in enumerate(self.accumulators):
-            value = np.asarray(store[f"{KEY}accumulator_{i}"])
+        # `source[i]`: the saved position of this optimizer's accumulator `i`.
+        source = list(range(count))
+        if (
+            saved_names is not None
+            and len(set(saved_names)) == len(saved_names) == len(set(names)) == count
+            and set(saved_names) == set(names)
+        ):
+            position = {name: j for j, name in enumerate(saved_names)}
+            source = [position[name] for name in names]
+        values = []
+        for i, (acc, j) in enumerate(zip(self.accumulators, source)):
+            value = np.asarray(store[f"{KEY}accumulator_{j}"])
             if tuple(value.shape) != tuple(acc.shape):
+                saved = repr(saved_names[j]) if saved_names is not None else f"at position {j}"
                 raise ValueError(
-                    f"Saved accumulator {i} has shape {tuple(value.shape)}, "
-                    f"but this optimizer's variable {i} has shape "
-                    f"{tuple(acc.shape)}."
+                    f"The saved accumulator for variable {saved} has shape "
+                    f"{tuple(value.shape)}, but this optimizer's variable "
+                    f"{_path(self.variables[i])!r} (position {i}) has shape "
+                    f"{tuple(acc.shape)}: the state was saved for another model."
                 )
-            acc.assign(distribution.per_replica_share(value))
+            values.append(value)
+        for i, (acc, value) in enumerate(zip(self.accumulators, values)):
+            # A maximum is every replica's; a sum is split among them.
+            acc.assign(value if self.keeps_maximum(i) else distribution.per_replica_share(value))
         self.micro_step.assign(int(np.asarray(store[f"{KEY}micro_step"])))
         if f"{KEY}seen" in store.keys():
-            self.set_participation(store[f"{KEY}seen"])
+            saved_seen = np.asarray(store[f"{KEY}seen"])
+            self.set_participation(saved_seen[source] if len(saved_seen) == count else saved_seen)
         else:  # written before the mask was saved: read it off the sums
             self._restored_without_participants = True
         if f"{KEY}weight_total" in store.keys():
