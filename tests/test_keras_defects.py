@@ -162,3 +162,81 @@ def test_accumulator_shape_mismatch_names_the_variable():
     opt.build(other.trainable_variables)
     with pytest.raises(ValueError, match="hidden0/kernel"):
         opt.load_own_variables(store)
+
+
+# ----------------------------------------------------------------------
+# Pickling and copying, as Keras optimizers do.
+
+
+def _pickled(obj):
+    return pickle.loads(pickle.dumps(obj))
+
+
+COPIERS = {"pickle": _pickled, "copy": copy.copy, "deepcopy": copy.deepcopy}
+
+
+@pytest.mark.parametrize("loss_scale", [False, True])
+@pytest.mark.parametrize("copier", sorted(COPIERS))
+@pytest.mark.parametrize("mode", MODES)
+def test_copies_of_a_trained_optimizer_are_what_keras_copies(copier, mode, loss_scale):
+    copier = COPIERS[copier]
+
+    def adam():
+        opt = keras.optimizers.Adam(1e-2)
+        return keras.optimizers.LossScaleOptimizer(opt) if loss_scale else opt
+
+    x, y = make_data(B * 3 * 2)
+    plain = adam()
+    fit(make_mlp(), plain, x, y, B * 3)
+    opt = accumulate(adam(), 3, reduction="sum", mode=mode)
+    fit(make_mlp(), opt, x, y, B)
+    assert int(opt.iterations) == int(plain.iterations) == 2
+
+    expected = copier(plain)
+    copied = copier(opt)
+    assert isinstance(copied, AccumulatingOptimizer)
+    assert type(copied.__wrapped__) is type(expected)
+    assert (copied.n, copied.reduction, copied.mode) == (3, "sum", mode)
+    # As Keras's `test_pickleable_optimizers` checks: the same config.
+    assert expected.get_config() == plain.get_config()
+    assert copied.get_config() == opt.get_config()
+    assert copied.built == expected.built
+    assert int(copied.iterations) == int(expected.iterations)
+    assert int(copied.micro_step) == 0
+    assert int(opt.iterations) == 2  # the original is untouched
+
+
+@pytest.mark.parametrize("copier", sorted(COPIERS))
+@pytest.mark.parametrize("mode", MODES)
+def test_copies_train_as_the_large_batch(copier, mode):
+    copier = COPIERS[copier]
+    ref, acc, _, _ = fit_pair(
+        lambda: keras.optimizers.Adam(1e-2),
+        n=3,
+        micro_batch=B,
+        cycles=2,
+        wrap=lambda opt, n: copier(accumulate(opt, n, mode=mode)),
+    )
+    assert acc["iterations"] == 2
+    assert_states_close(ref, acc)
+
+
+@pytest.mark.parametrize("copier", sorted(COPIERS))
+def test_copies_around_a_loss_scale_optimizer_train_as_the_large_batch(copier):
+    copier = COPIERS[copier]
+    x, y = make_data(B * 3 * 2)
+    reference = fit(make_mlp(), keras.optimizers.Adam(1e-2), x, y, B * 3)
+    opt = copier(
+        accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2)), 3)
+    )
+    assert isinstance(opt, AccumulatingOptimizer)
+    assert isinstance(opt, keras.optimizers.LossScaleOptimizer)
+    assert opt.n == 3
+    model = fit(make_mlp(), opt, x, y, B)
+    assert int(opt.iterations) == 2
+    reference_weights, weights = _model_weights(reference), _model_weights(model)
+    assert sorted(reference_weights) == sorted(weights)
+    for key in reference_weights:
+        np.testing.assert_allclose(
+            weights[key], reference_weights[key], rtol=RTOL, atol=ATOL, err_msg=key
+        )

@@ -17,6 +17,7 @@ on the `Accumulation` both kinds share; each kind defines `build`,
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import keras
@@ -214,6 +215,38 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         optimizer, n, reduction, mode = _saving.arguments(config, custom_objects)
         return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode, _adopt=True)
 
+    # ------------------------------------------------------------------
+    # Pickling and copying.
+    #
+    # `wrapt.ObjectProxy` refuses to be pickled or copied. A Keras optimizer
+    # pickles through its `.keras` serialization (`KerasSaveable.__reduce__`),
+    # and `copy.copy`/`copy.deepcopy` go the same way: the result is a new
+    # optimizer with the same config, unbuilt if the original was built (its
+    # slots are skipped with a warning), keeping `iterations` and the learning
+    # rate if it was not. A proxy's copy is a new proxy, with the same `n`,
+    # `reduction` and `mode`, around what Keras makes of the wrapped
+    # optimizer; like the slots, a built proxy's accumulators are not copied.
+    # A loss-scale optimizer's copy holds a copy of the accumulating inner
+    # optimizer (serialized as itself), which the new front adopts.
+
+    @classmethod
+    def _rebuilt(cls, optimizer: Any, n: Any, reduction: str, mode: str) -> AccumulatingOptimizer:
+        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode, _adopt=True)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return (AccumulatingOptimizer._rebuilt, (self.__wrapped__, self.n, self.reduction, self.mode))
+
+    def __reduce__(self) -> tuple:
+        return self.__reduce_ex__(2)
+
+    def __copy__(self) -> AccumulatingOptimizer:
+        return self._rebuilt(copy.copy(self.__wrapped__), self.n, self.reduction, self.mode)
+
+    def __deepcopy__(self, memo: dict) -> AccumulatingOptimizer:
+        return self._rebuilt(
+            copy.deepcopy(self.__wrapped__, memo), copy.deepcopy(self.n, memo), self.reduction, self.mode
+        )
+
     def __repr__(self) -> str:
         position = "?"
         if tf.executing_eagerly():
@@ -223,6 +256,10 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             f"reduction={self.reduction!r} mode={self.mode!r} micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
+
+
+# Pickles refer to the class by its public name, not this private module.
+AccumulatingOptimizer.__module__ = "gradaccum"
 
 
 def accumulation_of(proxy: AccumulatingOptimizer) -> Accumulation:
@@ -437,5 +474,9 @@ class _Core(AccumulatingOptimizer):
         """
         keys = list(store.keys())
         self.__wrapped__.load_own_variables({k: store[k] for k in keys if not State.owns_key(k)})
-        if any(State.owns_key(k) for k in keys):
-            self._self_accumulation.state.load(store)
+        state = self._self_accumulation.state
+        # Unbuilt (a copy Keras unpickles, see `__reduce_ex__`), the wrapped
+        # optimizer skips its own variables with a warning; the accumulation
+        # state, which does not exist yet, is skipped with them.
+        if state is not None and any(State.owns_key(k) for k in keys):
+            state.load(store)
