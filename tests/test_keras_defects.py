@@ -240,3 +240,97 @@ def test_copies_around_a_loss_scale_optimizer_train_as_the_large_batch(copier):
         np.testing.assert_allclose(
             weights[key], reference_weights[key], rtol=RTOL, atol=ATOL, err_msg=key
         )
+
+
+# ----------------------------------------------------------------------
+# EMA: nothing is finalized from a moving average no update has reached.
+
+EMA_N = 2
+
+
+def _ema_adam(frequency, **kwargs):
+    return keras.optimizers.Adam(
+        1e-2, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=frequency, **kwargs
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("frequency", [None, 2])
+@pytest.mark.parametrize("batches", [1, 2, 5])  # shorter than, one, and 2.5 cycles
+def test_ema_fit_finalizes_what_the_large_batch_finalizes(batches, frequency, mode):
+    x, y = make_data(B * batches)
+    untouched = make_mlp()
+    model = make_mlp()
+    opt = accumulate(_ema_adam(frequency), EMA_N, mode=mode)
+    fit(model, opt, x, y, B)
+    applied = batches // EMA_N
+    assert int(opt.iterations) == applied
+    if applied == 0:
+        # No update has been applied: the weights stay as they were, as
+        # under Keras's own `gradient_accumulation_steps`.
+        assert_states_equal(_model_weights(untouched), _model_weights(model))
+        keras_opt = _ema_adam(frequency, gradient_accumulation_steps=EMA_N)
+        keras_model = fit(make_mlp(), keras_opt, x, y, B)
+        assert_states_equal(_model_weights(keras_model), _model_weights(model))
+        return
+    # The large batch over the applied cycles; a partial cycle after them is
+    # not applied (it waits for the next `fit`).
+    used = applied * EMA_N * B
+    reference_opt = _ema_adam(frequency)
+    reference = fit(make_mlp(), reference_opt, x[:used], y[:used], EMA_N * B)
+    assert_states_close(full_state(reference, reference_opt), full_state(model, opt))
+
+
+@pytest.mark.parametrize("wrapping", ["inside", "outside"])
+def test_ema_fit_shorter_than_a_cycle_under_loss_scaling(wrapping):
+    x, y = make_data(B)
+    untouched = make_mlp()
+    if wrapping == "inside":
+        opt = accumulate(keras.optimizers.LossScaleOptimizer(_ema_adam(None)), EMA_N)
+    else:
+        opt = keras.optimizers.LossScaleOptimizer(accumulate(_ema_adam(None), EMA_N))
+    model = fit(make_mlp(), opt, x, y, B)
+    assert int(opt.iterations) == 0
+    assert_states_equal(_model_weights(untouched), _model_weights(model))
+
+
+def test_ema_finalized_inside_tf_function():
+    x, y = make_data(B * EMA_N)
+    model = make_mlp()
+    initial = _model_weights(model)
+    opt = accumulate(_ema_adam(None), EMA_N)
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(xb, yb):
+        grads = mse_grads(model, xb, yb)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def finalize():
+        opt.finalize_variable_values(model.trainable_variables)
+
+    step(x[:B], y[:B])
+    finalize()  # no update applied yet: nothing changes
+    assert_states_equal(initial, _model_weights(model))
+    step(x[B:], y[B:])
+    finalize()
+
+    reference = make_mlp()
+    reference_opt = _ema_adam(None)
+    reference_opt.apply_gradients(
+        zip(mse_grads(reference, x, y), reference.trainable_variables)
+    )
+    reference_opt.finalize_variable_values(reference.trainable_variables)
+    assert_states_close(full_state(reference, reference_opt), full_state(model, opt))
+
+
+def test_ema_fit_shorter_than_a_cycle_under_mirrored_strategy():
+    x, y = make_data(B)
+    untouched = make_mlp()
+    with mirrored().scope():
+        model = make_mlp()
+        opt = accumulate(_ema_adam(None), EMA_N)
+        fit(model, opt, x, y, B)
+    assert int(opt.iterations.numpy()) == 0
+    assert_states_equal(_model_weights(untouched), _model_weights(model))

@@ -428,6 +428,33 @@ class _Core(AccumulatingOptimizer):
         """
         self._self_accumulation.step(grads, trainable_variables, weight, {})
 
+    def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
+        """The wrapped optimizer's, once an update has been applied.
+
+        With `use_ema=True`, Keras's `fit` ends by overwriting the weights
+        with their moving averages. The averages move only on applied
+        updates (the first one sets them to the weights), so a `fit` shorter
+        than one cycle would copy in their initial zeros. Until an update
+        has been applied (`iterations` is 0) nothing is finalized and the
+        weights stay as they are, as under Keras's own
+        `gradient_accumulation_steps`, whose averages then still equal the
+        weights.
+
+        Args:
+            var_list: The model's trainable variables.
+        """
+        finalize = self.__wrapped__.finalize_variable_values
+        if not getattr(self.__wrapped__, "use_ema", False):
+            return finalize(var_list)
+        # A read, not the variable: under a strategy it is a MirroredVariable.
+        applied = tf.convert_to_tensor(self._self_family.iterations)
+        if tf.executing_eagerly():
+            if int(applied) > 0:
+                finalize(var_list)
+            return None
+        tf.cond(applied > 0, lambda: finalize(var_list), lambda: None)
+        return None
+
     # ------------------------------------------------------------------
     # Persistence: the wrapped optimizer's, plus the accumulation state.
 
