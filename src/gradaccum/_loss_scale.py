@@ -25,7 +25,7 @@ import tensorflow as tf
 import wrapt
 
 from gradaccum import _families
-from gradaccum._proxy import AccumulatingOptimizer, accumulation_of, wrappable_family
+from gradaccum._proxy import AccumulatingOptimizer, accumulation_of, register_kind, wrappable_family
 from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
 
 
@@ -53,6 +53,7 @@ class _UncountedSkips(wrapt.ObjectProxy):
         return _UncountedIterations(self.__wrapped__.iterations)
 
 
+@register_kind
 class LossScaleFront(AccumulatingOptimizer):
     """The kind that wraps a loss-scale optimizer (see the module docstring).
 
@@ -64,7 +65,7 @@ class LossScaleFront(AccumulatingOptimizer):
     """
 
     @classmethod
-    def handles(cls, optimizer: Any) -> bool:
+    def _handles(cls, optimizer: Any) -> bool:
         family = _families.family_of(optimizer)
         return family is not None and family.inner_attribute() is not None
 

@@ -73,21 +73,18 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             backend is not TensorFlow.
     """
 
-    # The kinds, in the order they are asked whether they handle an optimizer.
+    # The kinds (see `register_kind`), asked in order whether they wrap an
+    # optimizer; the last one takes the rest.
     _KINDS: ClassVar[list[type]] = []
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        AccumulatingOptimizer._KINDS.insert(0, cls)
 
     def __new__(cls, optimizer: Any = None, *args: Any, **kwargs: Any) -> AccumulatingOptimizer:
         if cls is AccumulatingOptimizer:
-            cls = next(kind for kind in cls._KINDS if kind.handles(optimizer))
+            cls = next(kind for kind in cls._KINDS if kind._handles(optimizer))
         return super().__new__(cls)
 
     @classmethod
-    def handles(cls, optimizer: Any) -> bool:
-        """Whether this kind wraps `optimizer` (the last kind takes the rest)."""
+    def _handles(cls, optimizer: Any) -> bool:
+        """Whether this kind wraps `optimizer`."""
         return True
 
     def __init__(self, optimizer: Any, family: OptimizerFamily, accumulation: Accumulation):
@@ -262,6 +259,13 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 AccumulatingOptimizer.__module__ = "gradaccum"
 
 
+def register_kind(kind: type) -> type:
+    """Makes `AccumulatingOptimizer(optimizer)` ask `kind._handles(optimizer)`
+    before the kinds registered earlier."""
+    AccumulatingOptimizer._KINDS.insert(0, kind)
+    return kind
+
+
 def accumulation_of(proxy: AccumulatingOptimizer) -> Accumulation:
     """The accumulation a proxy runs (a loss-scale front shares its core's)."""
     return proxy._self_accumulation
@@ -309,6 +313,7 @@ def wrappable_family(optimizer: Any) -> OptimizerFamily:
     return family
 
 
+@register_kind
 class _Core(AccumulatingOptimizer):
     """The kind that accumulates: wraps an optimizer that is not a loss-scale one."""
 
