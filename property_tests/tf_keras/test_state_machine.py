@@ -72,15 +72,19 @@ class TfKerasAccumulationMachine(MachineBase):
         # optimizer compounds the product twice on its next step. gradaccum
         # keeps the counter at `iterations + 1` (documented in the README),
         # as plain training has it on every step without a skip.
-        inner = self.shadow.inner_optimizer
+        self._sync_u_product_counter()
+
+    def _after_shadow_restored(self) -> None:
+        # Setting the shadow's variables back to a checkpoint's moves its
+        # `iterations` back but not that counter, which then says the product
+        # of a later step is already cached; plain training restored into a
+        # fresh optimizer, as the subject is, recomputes it.
+        self._sync_u_product_counter()
+
+    def _sync_u_product_counter(self) -> None:
+        inner = getattr(self.shadow, "inner_optimizer", self.shadow)
         if hasattr(inner, "_u_product_counter"):
             inner._u_product_counter = int(inner.iterations.numpy()) + 1
-
-    # Setting the shadow's variables back to a checkpoint's moves its
-    # `iterations` back but not that counter, which then says the product of
-    # a later step is already cached; plain training restored into a fresh
-    # optimizer, as the subject is, recomputes it.
-    _after_shadow_restored = _after_shadow_skipped
 
     def _loss_scale(self) -> tuple[float, int]:
         return float(self.opt.loss_scale), int(self.opt.dynamic_counter.numpy())
