@@ -1,12 +1,16 @@
 """Every change gradaccum makes to objects it does not own, in one place.
 
-Three patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
+The patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
 `FunctionWrapper`), all undone the same way (`Patch.remove`):
 
-- `keras.Model.compile`, while a `gradaccum.accumulating()` block is open
-  in any thread (`SharedPatch`; see `gradaccum._accumulating`);
+- `keras.Model.compile` and `fit` (and tf_keras's, once tf_keras is
+  imported), while a `gradaccum.accumulating()` block is open in any thread
+  (`SharedPatch`; see `gradaccum._accumulating`);
 - Keras's `serialize_keras_object`, for good, in every Keras module that
   binds it, so that a proxy is written as itself (`serialize_as`);
+- Keras's `LossScaleOptimizer.load_own_variables`, for good, so that one
+  around an accumulating optimizer keeps a file loaded before its build
+  (see `gradaccum._loss_scale`);
 - the write methods of TensorFlow variables, for the duration of one masked
   update (see `gradaccum._backend.tensorflow.updates`).
 """
