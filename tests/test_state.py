@@ -198,6 +198,133 @@ def test_keras_weights_file_with_another_n_is_refused(tmp_path):
 
 
 # ----------------------------------------------------------------------
+# Loading into a compiled model whose optimizer has not stepped yet
+#
+# `model.load_weights` (keras-tuner's `get_best_models`, resuming from
+# `ModelCheckpoint(save_weights_only=True)`) meets an unbuilt optimizer.
+# Plain Keras drops the optimizer state there; the accumulating optimizer
+# keeps it for its build, so the resumed run equals the uninterrupted one.
+
+LOAD_N, LOAD_STOP, LOAD_STEPS = 4, 6, 10  # saved mid-cycle: micro_step 2
+LOAD_X, LOAD_Y = make_data(B * LOAD_STEPS)
+
+
+def _compiled(mode, wrap):
+    model = make_mlp()
+    if wrap == "core":
+        opt = accumulate(_adam(), LOAD_N, mode=mode)
+    elif wrap == "front":  # accumulate(LossScaleOptimizer(opt))
+        opt = accumulate(keras.optimizers.LossScaleOptimizer(_adam()), LOAD_N, mode=mode)
+    else:  # LossScaleOptimizer(accumulate(opt)), as compile under mixed_float16 builds
+        opt = keras.optimizers.LossScaleOptimizer(accumulate(_adam(), LOAD_N, mode=mode))
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def _fit_range(model, start, stop):
+    x, y = LOAD_X[start * B : stop * B], LOAD_Y[start * B : stop * B]
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+
+
+def _save(model, directory, how):
+    if how == "checkpoint":
+        return tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(directory / "c"))
+    path = str(directory / ("m.keras" if how == "keras" else "m.weights.h5"))
+    model.save(path) if how == "keras" else model.save_weights(path)
+    return path
+
+
+def _load(model, path, how):
+    if how == "checkpoint":
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(path)
+    else:
+        model.load_weights(path)  # a `.keras` file too: its weights
+
+
+@pytest.mark.parametrize("how", ["weights_h5", "keras", "checkpoint"])
+@pytest.mark.parametrize("wrap", ["core", "front", "outer"])
+@pytest.mark.parametrize("mode", MODES)
+def test_loaded_before_build_resumes_bit_identical(tmp_path, mode, wrap, how):
+    uninterrupted = _compiled(mode, wrap)
+    _fit_range(uninterrupted, 0, LOAD_STEPS)
+
+    model = _compiled(mode, wrap)
+    _fit_range(model, 0, LOAD_STOP)
+    path = _save(model, tmp_path, how)
+    resumed = _compiled(mode, wrap)
+    assert not resumed.optimizer.built
+    _load(resumed, path, how)
+    _fit_range(resumed, LOAD_STOP, LOAD_STEPS)
+    assert_states_equal(
+        full_state(uninterrupted, uninterrupted.optimizer), full_state(resumed, resumed.optimizer)
+    )
+
+
+def test_loaded_before_build_lands_at_build_with_the_partial_cycle(tmp_path):
+    model = _compiled("masked", "core")
+    _fit_range(model, 0, LOAD_STOP)
+    path = _save(model, tmp_path, "weights_h5")
+    resumed = _compiled("masked", "core")
+    resumed.load_weights(path)
+    resumed.optimizer.build(resumed.trainable_variables)
+    assert int(resumed.optimizer.micro_step) == LOAD_STOP % LOAD_N
+    assert_states_equal(full_state(model, model.optimizer), full_state(resumed, resumed.optimizer))
+    saved, loaded = model.optimizer.accumulation_state, resumed.optimizer.accumulation_state
+    for a, b in zip(saved.accumulators, loaded.accumulators):
+        assert np.array_equal(a.numpy(), b.numpy())
+    assert np.array_equal(saved.weight_total.numpy(), loaded.weight_total.numpy())
+
+
+def test_loaded_before_build_and_saved_again_keeps_the_values(tmp_path):
+    """A model loaded and saved again before it trains (keras-tuner saves the
+    best models it reloads) writes what it was given, not empty state."""
+    model = _compiled("masked", "core")
+    _fit_range(model, 0, LOAD_STOP)
+    first = _save(model, tmp_path, "weights_h5")
+    middle = _compiled("masked", "core")
+    middle.load_weights(first)
+    (tmp_path / "again").mkdir()
+    second = _save(middle, tmp_path / "again", "weights_h5")
+    resumed = _compiled("masked", "core")
+    resumed.load_weights(second)
+    resumed.optimizer.build(resumed.trainable_variables)
+    assert_states_equal(full_state(model, model.optimizer), full_state(resumed, resumed.optimizer))
+
+
+def test_plain_weights_file_loaded_before_build(tmp_path):
+    """The plain optimizer's file: its slots and `iterations` land at the
+    build, the accumulators start empty, training continues as the plain
+    optimizer on the large batch does."""
+    big = B * LOAD_N
+    x, y = make_data(3 * big)
+    plain_model = make_mlp()
+    plain_model.compile(optimizer=_adam(), loss="mse")
+    plain_model.fit(x[: 2 * big], y[: 2 * big], batch_size=big, shuffle=False, verbose=0)
+    path = _save(plain_model, tmp_path, "weights_h5")
+    resumed = _compiled("masked", "core")
+    resumed.load_weights(path)
+    resumed.optimizer.build(resumed.trainable_variables)
+    assert_states_equal(full_state(plain_model, plain_model.optimizer), full_state(resumed, resumed.optimizer))
+    assert int(resumed.optimizer.micro_step) == 0
+    x, y = x[2 * big :], y[2 * big :]
+    plain_model.fit(x, y, batch_size=big, shuffle=False, verbose=0)
+    resumed.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert_states_close(
+        full_state(plain_model, plain_model.optimizer), full_state(resumed, resumed.optimizer)
+    )
+
+
+def test_weights_file_with_another_n_is_refused_before_build(tmp_path):
+    model = _compiled("masked", "core")
+    _fit_range(model, 0, 1)
+    path = _save(model, tmp_path, "weights_h5")
+    other = make_mlp()
+    other.compile(optimizer=accumulate(_adam(), LOAD_N + 1), loss="mse")
+    with pytest.raises(ValueError, match=f"n={LOAD_N}.*n={LOAD_N + 1}"):
+        other.load_weights(path)
+
+
+# ----------------------------------------------------------------------
 # Callbacks that save and restore
 
 

@@ -9,7 +9,7 @@ import pytest
 import gradaccum
 from gradaccum import AccumulatingOptimizer, accumulate, accumulating
 from tests import third_party_trainer
-from tests.support import assert_states_close, full_state, make_data
+from tests.support import MODES, assert_states_close, dtype_policy, full_state, make_data
 
 N, B = 3, 4
 X, Y = make_data(B * N * 4)
@@ -67,6 +67,129 @@ def test_nested_blocks_innermost_wins_and_already_accumulating_is_kept():
         lso = keras.optimizers.LossScaleOptimizer(accumulate(keras.optimizers.Adam(), 3))
         model.compile(optimizer=lso, loss="mse")
         assert model.optimizer is lso
+
+
+# ----------------------------------------------------------------------
+# `fit` of a model compiled before the block
+
+
+def _fit(model, batch_size, x=X, y=Y):
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fit_in_the_block_accumulates_a_model_compiled_before_it(mode):
+    """A keras-hub task compiles in its constructor: built outside the block
+    and fit inside, it accumulates as if it had been compiled inside."""
+    ref = _fit(third_party_trainer.Task(optimizer=keras.optimizers.Nadam(1e-2)), B * N)
+    task = third_party_trainer.Task(optimizer=keras.optimizers.Nadam(1e-2))
+    with accumulating(n=N, mode=mode):
+        _fit(task, B)
+    assert issubclass(type(task.optimizer), AccumulatingOptimizer)
+    assert (task.optimizer.n, task.optimizer.mode) == (N, mode)
+    assert int(task.optimizer.iterations) == len(X) // (B * N)
+    assert_states_close(full_state(ref, ref.optimizer), full_state(task, task.optimizer))
+
+
+def test_fit_in_the_block_retraces_a_model_trained_before_it():
+    """Trained (optimizer built, train function traced) before the block:
+    the optimizer keeps its state and the train function is traced anew."""
+    half = len(X) // 2
+    ref = third_party_trainer.Task(optimizer=keras.optimizers.Adam(1e-2))
+    _fit(ref, B, X[:half], Y[:half])
+    _fit(ref, B * N, X[half:], Y[half:])
+    task = third_party_trainer.Task(optimizer=keras.optimizers.Adam(1e-2))
+    # The same batch shape before and inside the block: nothing but the new
+    # optimizer makes the train function trace again.
+    _fit(task, B, X[:half], Y[:half])
+    with accumulating(n=N):
+        _fit(task, B, X[half:], Y[half:])
+    assert int(task.optimizer.iterations) == half // B + half // (B * N)
+    assert_states_close(full_state(ref, ref.optimizer), full_state(task, task.optimizer))
+
+
+def test_fit_in_the_block_under_mixed_precision():
+    """compile wrapped the optimizer in a LossScaleOptimizer before the
+    block; fit accumulates inside it."""
+    with dtype_policy("mixed_float16"):
+        ref = _fit(third_party_trainer.Task(optimizer=keras.optimizers.Adam(1e-2)), B * N)
+        task = third_party_trainer.Task(optimizer=keras.optimizers.Adam(1e-2))
+        with accumulating(n=N):
+            _fit(task, B)
+    assert isinstance(task.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert issubclass(type(task.optimizer), AccumulatingOptimizer)
+    # float16 rounding, as in tests/test_mixed_precision.py: ~3e-5 measured,
+    # a missing accumulation moves values by ~lr = 1e-2.
+    # The loss scale's growth counter counts finite micro-batches (see the
+    # README), the large batch's counts batches.
+    expected, got = full_state(ref, ref.optimizer), full_state(task, task.optimizer)
+    assert int(got.pop("opt/step_counter")) == N * int(expected.pop("opt/step_counter"))
+    assert_states_close(expected, got, rtol=1e-4, atol=5e-5)
+
+
+def test_model_wrapped_by_fit_saves_and_reloads_accumulating(tmp_path):
+    model = third_party_trainer.build()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    with accumulating(n=N):
+        _fit(model, B, X[: B * (N + 1)], Y[: B * (N + 1)])  # ends mid-cycle
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert issubclass(type(loaded.optimizer), AccumulatingOptimizer)
+    assert loaded.optimizer.n == N and int(loaded.optimizer.micro_step) == 1
+
+
+def test_fit_outside_the_block_is_untouched():
+    task = third_party_trainer.Task()
+    with accumulating(n=N):
+        pass
+    _fit(task, B)
+    assert not issubclass(type(task.optimizer), AccumulatingOptimizer)
+    assert keras.Model.fit is third_party_trainer.Task.fit
+
+
+# ----------------------------------------------------------------------
+# The compiled loss's reduction
+
+
+def _sum_mse():
+    return keras.losses.MeanSquaredError(reduction="sum")
+
+
+@pytest.mark.parametrize("compiled", ["inside", "before"])
+def test_block_follows_a_loss_that_sums(compiled):
+    """A loss summed over the batch needs the summed micro-gradients."""
+    ref = _fit(third_party_trainer.Task(optimizer=keras.optimizers.SGD(1e-3), loss=_sum_mse()), B * N)
+    if compiled == "before":
+        task = third_party_trainer.Task(optimizer=keras.optimizers.SGD(1e-3), loss=_sum_mse())
+    with accumulating(n=N):
+        if compiled == "inside":
+            task = third_party_trainer.Task(optimizer=keras.optimizers.SGD(1e-3), loss=_sum_mse())
+        _fit(task, B)
+    assert task.optimizer.reduction == "sum"
+    assert_states_close(full_state(ref, ref.optimizer), full_state(task, task.optimizer))
+
+
+def test_block_reduction_given_is_kept_and_a_mismatch_warns():
+    model = third_party_trainer.build()
+    with accumulating(n=N, reduction="mean"):
+        with pytest.warns(UserWarning, match="reduction='mean'.*reduced by 'sum'"):
+            model.compile(optimizer="sgd", loss=_sum_mse())
+    assert model.optimizer.reduction == "mean"
+    model = third_party_trainer.build()
+    with accumulating(n=N):
+        with pytest.warns(UserWarning, match="optimizer has reduction='mean'.*'sum'"):
+            model.compile(optimizer=accumulate(keras.optimizers.SGD(), N), loss=_sum_mse())
+
+
+def test_block_warns_for_summed_and_averaged_losses_together():
+    inputs = keras.Input((5,))
+    model = keras.Model(inputs, [keras.layers.Dense(1)(inputs), keras.layers.Dense(1)(inputs)])
+    with accumulating(n=N):
+        with pytest.warns(UserWarning, match="no single `reduction`"):
+            model.compile(optimizer="sgd", loss=[_sum_mse(), "mse"])
+    assert model.optimizer.reduction == "mean"
 
 
 def test_block_applies_to_its_own_thread_only():

@@ -1,30 +1,51 @@
 """Accumulation for training code you do not own: `with accumulating(n=4):`.
 
-Inside the block, every optimizer that `keras.Model.compile` receives is
-wrapped with `accumulate(..., n)` before `compile` sees it. What happens:
+Inside the block, every optimizer that `Model.compile` receives is wrapped
+with `accumulate(..., n)` before `compile` sees it, and `Model.fit` of a
+model compiled earlier wraps that model's optimizer before it trains. Both
+for Keras 3's `keras.Model` and, once `tf_keras` is imported (by its users:
+`import gradaccum` never imports it), `tf_keras.Model`. What happens:
 
 - An optimizer instance is wrapped; an identifier (`"adam"`, a config dict)
-  is first resolved with `keras.optimizers.get`. `compile`'s own default
-  (`"rmsprop"`) is received like any other and wrapped too.
+  is first resolved with the library's own `optimizers.get`. `compile`'s
+  own default (`"rmsprop"`) is received like any other and wrapped too.
+- `fit` of a model whose optimizer does not accumulate (a keras-hub task
+  compiles in its constructor; a model compiled before the block) wraps
+  it, as `accumulate` wraps any optimizer: a built or trained one keeps
+  its state, and its next update is the first accumulated one. The model's
+  train function is traced anew (it holds the old optimizer's update), and
+  the model's compile config names the accumulating optimizer, so a saved
+  model reloads with it. The model keeps the wrapped optimizer after the
+  block, as one compiled inside the block does.
 - An optimizer that already accumulates (an `AccumulatingOptimizer`, or a
   loss-scale optimizer around one) is passed on unchanged: nothing
   accumulates twice, and its own `n` stands.
-- Nested blocks: the innermost block's `n`, `reduction` and `mode` apply; leaving it
-  restores the outer block's.
-- Threads: a block applies to the thread that entered it. `compile` called
-  on other threads at the same time is not affected. The patch on
-  `keras.Model.compile` stays installed while any thread is inside a block
-  and is removed when the last one leaves, restoring the original method.
-- Subclasses that override `compile` are covered when they call
-  `super().compile(...)`.
+- `reduction`: by default it follows the compiled loss. A loss object whose
+  `reduction` is `"sum"` (summed over the batch, not averaged) gets
+  `reduction="sum"`, anything else `"mean"`; losses of both kinds on
+  several outputs can be matched by neither and warn. A `reduction` given
+  to the block is used as given, with a warning where the compiled loss
+  says otherwise (and so is an accumulating optimizer's own). A loss that a
+  custom `train_step` computes is not visible here: pass `reduction="sum"`
+  if it sums.
+- Nested blocks: the innermost block's `n`, `reduction` and `mode` apply;
+  leaving it restores the outer block's.
+- Threads: a block applies to the thread that entered it. `compile` and
+  `fit` called on other threads at the same time are not affected. The
+  patches stay installed while any thread is inside a block and are removed
+  when the last one leaves, restoring the original methods.
+- Subclasses that override `compile` or `fit` are covered when they call
+  `super().compile(...)` / `super().fit(...)`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
-from typing import Any, Callable, Iterator
+import warnings
+from typing import Any, Callable, Iterator, NamedTuple
 
 import keras
 
@@ -36,35 +57,149 @@ from gradaccum._validation import check_mode, check_n_or_schedule, check_reducti
 _local = threading.local()
 
 
-def _stack() -> list[tuple[Any, str, str]]:
+class _Block(NamedTuple):
+    n: Any
+    reduction: str | None  # None: follow the compiled loss
+    mode: str
+
+
+def _stack() -> list[_Block]:
     if not hasattr(_local, "stack"):
         _local.stack = []
     return _local.stack
 
 
-def _wrapped_compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    stack = _stack()
-    if not stack or instance is None:
-        return wrapped(*args, **kwargs)
-    n, reduction, mode = stack[-1]
-    # `wrapped` is bound to the model: its signature has no `self`.
-    bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
-    optimizer = bound.arguments.get("optimizer", "rmsprop")
-    if optimizer is not None and accumulating_in(optimizer) is None:
-        bound.arguments["optimizer"] = accumulate(
-            keras.optimizers.get(optimizer), n, reduction=reduction, mode=mode
+# ----------------------------------------------------------------------
+# The loss's reduction.
+
+
+def _loss_reductions(loss: Any) -> set[str]:
+    """The reductions of the loss objects in a compiled `loss` argument.
+
+    A loss given by name or as a function is reduced by Keras with its
+    default, a mean over the batch; a loss object says how it reduces.
+    """
+    if loss is None:
+        return set()
+    if isinstance(loss, dict):
+        return set().union(*(_loss_reductions(v) for v in loss.values()))
+    if isinstance(loss, (list, tuple)):
+        return set().union(*(_loss_reductions(v) for v in loss))
+    reduction = getattr(loss, "reduction", None)
+    return {"sum" if reduction == "sum" else "mean"}
+
+
+def _reduction(block: _Block, loss: Any) -> str:
+    """The reduction to accumulate with, for a model compiled with `loss`."""
+    seen = _loss_reductions(loss)
+    if block.reduction is not None:
+        _check_matches(block.reduction, seen, "the `accumulating()` block has")
+        return block.reduction
+    if seen == {"sum"}:
+        return "sum"
+    if len(seen) > 1:
+        warnings.warn(
+            "gradaccum.accumulating(): the model is compiled with losses that sum "
+            "over the batch and losses that average over it; no single "
+            "`reduction` gives the large batch's gradient of their total. "
+            "Accumulating with reduction='mean'.",
+            stacklevel=4,
         )
-    return wrapped(*bound.args, **bound.kwargs)
+    return "mean"
 
 
-_COMPILE = _patches.SharedPatch(lambda: keras.Model, "compile", _wrapped_compile)
+def _check_matches(reduction: str, seen: set[str], whose: str) -> None:
+    if len(seen) == 1 and reduction not in seen:
+        (loss_reduction,) = seen
+        effect = "1/n of" if reduction == "mean" else "n times"
+        warnings.warn(
+            f"gradaccum: {whose} reduction={reduction!r}, but the model's loss "
+            f"is reduced by {loss_reduction!r} over the batch: each update is "
+            f"{effect} the large batch's. Pass reduction={loss_reduction!r} "
+            "unless that is what you want.",
+            stacklevel=4,
+        )
+
+
+# ----------------------------------------------------------------------
+# The patches.
+
+
+def _compile_wrapper(get_optimizer: Callable[[Any], Any]) -> _patches.Wrapper:
+    """`Model.compile` of a library whose `optimizers.get` is `get_optimizer`."""
+
+    def compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        stack = _stack()
+        if not stack or instance is None:
+            return wrapped(*args, **kwargs)
+        block = stack[-1]
+        # `wrapped` is bound to the model: its signature has no `self`.
+        bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
+        optimizer = bound.arguments.get("optimizer", "rmsprop")
+        loss = bound.arguments.get("loss")
+        if optimizer is not None:
+            accumulating = accumulating_in(optimizer)
+            if accumulating is None:
+                bound.arguments["optimizer"] = accumulate(
+                    get_optimizer(optimizer), block.n, reduction=_reduction(block, loss), mode=block.mode
+                )
+            else:
+                _check_matches(accumulating.reduction, _loss_reductions(loss), "the optimizer has")
+        return wrapped(*bound.args, **bound.kwargs)
+
+    return compile
+
+
+def _fit(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    stack = _stack()
+    if stack and instance is not None:
+        _accumulate_compiled(instance, stack[-1])
+    return wrapped(*args, **kwargs)
+
+
+def _accumulate_compiled(model: Any, block: _Block) -> None:
+    """Wraps the optimizer of a model compiled outside the block."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or accumulating_in(optimizer) is not None:
+        return  # not compiled (fit itself says so), or accumulating already
+    loss = getattr(model, "loss", None)
+    model.optimizer = accumulate(optimizer, block.n, reduction=_reduction(block, loss), mode=block.mode)
+    # The compiled train function applies the old optimizer's update.
+    model.make_train_function(force=True)
+    # Both Keras 3 and tf_keras keep `compile`'s arguments here for
+    # `get_compile_config()`, which `model.save` writes: name the optimizer
+    # that trains now, so that a saved model reloads with it.
+    compile_config = getattr(getattr(model, "_compile_config", None), "config", None)
+    if isinstance(compile_config, dict) and "optimizer" in compile_config:
+        compile_config["optimizer"] = model.optimizer
+
+
+def _tf_keras() -> Any:
+    return sys.modules["tf_keras"]
+
+
+_PATCHES = (
+    _patches.SharedPatch(lambda: keras.Model, "compile", _compile_wrapper(keras.optimizers.get)),
+    _patches.SharedPatch(lambda: keras.Model, "fit", _fit),
+    _patches.SharedPatch(
+        lambda: _tf_keras().Model,
+        "compile",
+        _compile_wrapper(lambda identifier: _tf_keras().optimizers.get(identifier)),
+        module="tf_keras",
+    ),
+    _patches.SharedPatch(lambda: _tf_keras().Model, "fit", _fit, module="tf_keras"),
+)
 
 
 @contextlib.contextmanager
 def accumulating(
-    n: int | Callable[..., Any], *, reduction: str = "mean", mode: str = "masked"
+    n: int | Callable[..., Any], *, reduction: str | None = None, mode: str = "masked"
 ) -> Iterator[None]:
-    """Wraps every optimizer given to `keras.Model.compile` in this block.
+    """Accumulates gradients in the training code run inside the block.
+
+    Wraps every optimizer given to `Model.compile` in the block, and the
+    optimizer of every model compiled earlier that `Model.fit` trains in
+    it (Keras 3, and tf_keras once imported).
 
     ```python
     with gradaccum.accumulating(n=4):
@@ -74,25 +209,37 @@ def accumulating(
     Args:
         n: Micro-batches per update (an int >= 1 or a schedule), as for
             `accumulate()`.
-        reduction: `"mean"` or `"sum"`, as for `accumulate()`.
+        reduction: `"mean"` or `"sum"`, as for `accumulate()`. By default
+            (`None`) it follows the compiled loss: `"sum"` for a loss object
+            whose `reduction` is `"sum"`, else `"mean"`. Pass `"sum"` for a
+            loss summed over the batch that `compile` does not see (one a
+            custom `train_step` computes).
         mode: `"masked"` or `"skip"`, as for `accumulate()`.
 
     Yields:
-        Nothing; on exit `compile` is restored (see the module docstring for
-        nested blocks, threads and optimizers that already accumulate).
+        Nothing; on exit `compile` and `fit` are restored (see the module
+        docstring for nested blocks, threads and optimizers that already
+        accumulate).
 
     Raises:
         TypeError: If `n` is not an int or callable.
         ValueError: If `n < 1`, or `reduction` or `mode` is unknown.
     """
     n = check_n_or_schedule(n)
-    reduction = check_reduction(reduction)
+    if reduction is not None:
+        reduction = check_reduction(reduction)
     mode = check_mode(mode)
-    _COMPILE.acquire()
-    stack = _stack()
-    stack.append((n, reduction, mode))
+    acquired = []
     try:
-        yield
+        for patch in _PATCHES:
+            patch.acquire()
+            acquired.append(patch)
+        stack = _stack()
+        stack.append(_Block(n, reduction, mode))
+        try:
+            yield
+        finally:
+            stack.pop()
     finally:
-        stack.pop()
-        _COMPILE.release()
+        for patch in reversed(acquired):
+            patch.release()

@@ -63,6 +63,8 @@ class Accumulation:
         # Extra `apply_gradients` arguments of the latest micro-step, for the
         # update its cycle ends with (also when `flush()` ends it).
         self._options: Mapping[str, Any] = {}
+        # What waits for the state to exist (`when_built`).
+        self._after_build: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------
     # Settings and read-only views.
@@ -112,6 +114,19 @@ class Accumulation:
         elif family.grows:
             self.state.indices_of(list(variables))  # adds those not met yet
 
+    def when_built(self, callback: Callable[[], None]) -> None:
+        """Runs `callback` once the optimizer and the state are built.
+
+        At once if they are; otherwise right after the state is built (by
+        `build` or the first micro-step, eagerly even while a `tf.function`
+        is traced), in the order the callbacks were given. The proxy hands
+        over this way what a Keras file loaded into an unbuilt optimizer.
+        """
+        if self.built:
+            callback()
+        else:
+            self._after_build.append(callback)
+
     def _build_state(self, variables: list[Any]) -> None:
         state = State(self.family, variables, self.cycle.code, self.reduction)
         self.strategy = choose(self.mode, state, self.family, self.reduction)
@@ -119,6 +134,12 @@ class Accumulation:
             self.cycle.build()
         self.state = state
         self._on_built(state.module)
+        waiting, self._after_build = self._after_build, []
+        # Values loaded before the variables existed are assigned once, as a
+        # restore would: eagerly, not as ops of a traced step.
+        with tf.init_scope():
+            for callback in waiting:
+                callback()
 
     # ------------------------------------------------------------------
     # A micro-step.

@@ -12,8 +12,10 @@ are kept. What `accumulate` returns is a `LossScaleFront`: the loss-scale
 optimizer to everyone else, with the accumulating surface of its core.
 
 `LossScaleOptimizer(accumulate(opt, n))` (also what `model.compile` builds
-under a `mixed_float16` policy) needs nothing from here: the loss-scale
-optimizer calls the accumulating one only for finite micro-batches.
+under a `mixed_float16` policy) needs nothing from here to accumulate: the
+loss-scale optimizer calls the accumulating one only for finite
+micro-batches. Only a Keras file loaded into it before it is built needs
+help (`_load_when_built`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import keras
+import numpy as np
 import tensorflow as tf
 import wrapt
 
-from gradaccum import _families
+from gradaccum import _families, _patches
 from gradaccum._proxy import AccumulatingOptimizer, accumulation_of, register_kind, wrappable_family
+from gradaccum._state import read_store
 from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
 
 
@@ -119,6 +124,24 @@ class LossScaleFront(AccumulatingOptimizer):
         finally:
             object.__setattr__(lso, attribute, core)
 
+    # Keras files: the loss-scale optimizer's own variables (its scale and
+    # step counter, then its inner optimizer's) are written under its path;
+    # the core writes the accumulation state under the inner optimizer's.
+    # Loaded before the build, both wait for it (see `load_own_variables`):
+    # the core's state is built inside the loss-scale optimizer's `build`,
+    # after the latter's own variables.
+
+    def _save_now(self, store: Any) -> None:
+        # A tf_keras OptimizerV2 has no Keras-file methods.
+        save = getattr(self.__wrapped__, "save_own_variables", None)
+        if save is not None:
+            save(store)
+
+    def _load_now(self, values: dict[str, np.ndarray]) -> None:
+        load = getattr(self.__wrapped__, "load_own_variables", None)
+        if load is not None:
+            load(values)
+
     def build(self, variables: Sequence[Any]) -> None:
         """Builds the loss-scale optimizer and the core.
 
@@ -162,3 +185,24 @@ class LossScaleFront(AccumulatingOptimizer):
         """
         with self._self_accumulation.weighing(weight):
             return self.__wrapped__.apply(grads, trainable_variables)
+
+
+def _load_when_built(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `LossScaleOptimizer.load_own_variables`, deferred like the core's.
+
+    Unbuilt, Keras's loss-scale optimizer drops its saved variables (its
+    scale, its step counter and its inner optimizer's) with a warning. Around
+    an accumulating core, which keeps its own part for its build, that would
+    resume with a reset loss scale; so the values wait for the core's build,
+    which runs inside the loss-scale optimizer's `build` after its own
+    variables exist. Any other loss-scale optimizer loads as Keras does.
+    """
+    core = getattr(instance, "inner_optimizer", None)
+    if instance is None or instance.built or not isinstance(core, AccumulatingOptimizer):
+        return wrapped(*args, **kwargs)
+    values = read_store(args[0] if args else kwargs["store"])
+    accumulation_of(core).when_built(lambda: wrapped(values))
+    return None
+
+
+_patches.Patch(keras.optimizers.LossScaleOptimizer, "load_own_variables", _load_when_built)

@@ -1,12 +1,16 @@
 """Every change gradaccum makes to objects it does not own, in one place.
 
-Three patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
+The patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
 `FunctionWrapper`), all undone the same way (`Patch.remove`):
 
-- `keras.Model.compile`, while a `gradaccum.accumulating()` block is open
-  in any thread (`SharedPatch`; see `gradaccum._accumulating`);
+- `keras.Model.compile` and `fit` (and tf_keras's, once tf_keras is
+  imported), while a `gradaccum.accumulating()` block is open in any thread
+  (`SharedPatch`; see `gradaccum._accumulating`);
 - Keras's `serialize_keras_object`, for good, in every Keras module that
   binds it, so that a proxy is written as itself (`serialize_as`);
+- Keras's `LossScaleOptimizer.load_own_variables`, for good, so that one
+  around an accumulating optimizer keeps a file loaded before its build
+  (see `gradaccum._loss_scale`);
 - the write methods of TensorFlow variables, for the duration of one masked
   update (see `gradaccum._backend.tensorflow.updates`).
 """
@@ -60,18 +64,30 @@ class SharedPatch:
     """A `Patch` installed while at least one user holds it (thread-safe).
 
     Args:
-        target: See `Patch`; resolved when the first user arrives.
+        target: See `Patch`; resolved when the patch is installed.
         name: See `Patch`.
         wrapper: See `Patch`.
+        module: The module `target` belongs to, if it is one that is not
+            imported here (tf_keras): the patch is installed only while that
+            module is imported, also if it is imported while users hold the
+            patch (a wrapt post-import hook), never by importing it.
     """
 
-    def __init__(self, target: Callable[[], Any], name: str, wrapper: Wrapper):
+    def __init__(self, target: Callable[[], Any], name: str, wrapper: Wrapper, module: str | None = None):
         self._target = target
         self._name = name
         self._wrapper = wrapper
+        self._module = module
         self._lock = threading.Lock()
         self._patch: Patch | None = None
         self._users = 0
+        if module is not None:
+            wrapt.register_post_import_hook(self._imported, module)
+
+    @property
+    def installed(self) -> bool:
+        """Whether the patch is in place now."""
+        return self._patch is not None
 
     @property
     def original(self) -> Any:
@@ -79,10 +95,18 @@ class SharedPatch:
         assert self._patch is not None
         return self._patch.original
 
+    def _install(self) -> None:
+        if self._patch is None and (self._module is None or self._module in sys.modules):
+            self._patch = Patch(self._target(), self._name, self._wrapper)
+
+    def _imported(self, module: Any) -> None:
+        with self._lock:
+            if self._users:
+                self._install()
+
     def acquire(self) -> None:
         with self._lock:
-            if self._users == 0:
-                self._patch = Patch(self._target(), self._name, self._wrapper)
+            self._install()
             self._users += 1
 
     def release(self) -> None:

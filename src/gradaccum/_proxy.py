@@ -21,13 +21,14 @@ import copy
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import keras
+import numpy as np
 import tensorflow as tf
 import wrapt
 
 from gradaccum import _backend, _families, _saving
 from gradaccum._accumulation import Accumulation
 from gradaccum._family import OptimizerFamily
-from gradaccum._state import CHILD, AccumulationState, State
+from gradaccum._state import CHILD, AccumulationState, State, check_saved_settings, read_store
 from gradaccum._validation import check_mode, check_n, check_n_or_schedule, check_reduction
 
 
@@ -92,6 +93,9 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         # The wrapped optimizer's family, and the accumulation this proxy runs.
         self._self_family = family
         self._self_accumulation = accumulation
+        # What a Keras file loaded before the optimizer was built: assigned
+        # once it is (see `load_own_variables`).
+        self._self_loaded: dict[str, np.ndarray] | None = None
 
     # ------------------------------------------------------------------
     # Settings and state.
@@ -189,6 +193,67 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
                 (Keras 3).
         """
         return self._self_family.minimize(self.apply_gradients, loss, var_list, *args, **kwargs)
+
+    # ------------------------------------------------------------------
+    # Keras files (`.keras`, `.weights.h5`).
+    #
+    # Keras loads a file into a freshly compiled model before its optimizer
+    # has stepped, and a plain optimizer then drops its saved state with a
+    # warning (its slots do not exist yet). The proxy keeps what it was
+    # given and loads it once the optimizer and the accumulation state are
+    # built, so a run resumed that way continues exactly where it stopped.
+
+    def save_own_variables(self, store: Any) -> None:
+        """Saves the wrapped optimizer's variables and the accumulation state.
+
+        Unbuilt, but holding values loaded from a file, it saves those.
+
+        Args:
+            store: The Keras weights store to write to.
+        """
+        if self._self_loaded is not None and not self.built:
+            for key, value in self._self_loaded.items():
+                store[key] = value
+            return
+        self._save_now(store)
+
+    def load_own_variables(self, store: Any) -> None:
+        """Loads what `save_own_variables` wrote, now or once built.
+
+        A built optimizer loads the store at once. An unbuilt one (a model
+        compiled but not trained yet, as `model.load_weights` and
+        `keras.models.load_model` of a model built later meet it) keeps the
+        values and assigns them once it is built, by `build` or its first
+        step: the wrapped optimizer's variables (slots, `iterations`) and the
+        partial cycle. A store written by the plain optimizer loads into the
+        wrapped one and leaves the accumulators empty.
+
+        Args:
+            store: The Keras weights store to read from.
+
+        Raises:
+            ValueError: If the store was written with another `n` or
+                `reduction` (at once), or for another model (when the values
+                are assigned).
+        """
+        values = read_store(store)
+        check_saved_settings(values, self._self_accumulation.cycle.code, self.reduction)
+        waiting = self._self_loaded is not None
+        self._self_loaded = values
+        if not waiting:
+            self._self_accumulation.when_built(self._load_kept)
+
+    def _load_kept(self) -> None:
+        values, self._self_loaded = self._self_loaded, None
+        self._load_now(values)
+
+    def _save_now(self, store: Any) -> None:
+        """Saves this kind's state into a Keras weights store."""
+        raise NotImplementedError
+
+    def _load_now(self, values: dict[str, np.ndarray]) -> None:
+        """Loads what `_save_now` wrote, into the built optimizer."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------
     # Configs.
@@ -480,35 +545,13 @@ class _Core(AccumulatingOptimizer):
             return None if state is None else state.module
         return self.__wrapped__._lookup_dependency(name, cached_dependencies)
 
-    def save_own_variables(self, store: Any) -> None:
-        """Saves the wrapped optimizer's variables and the accumulation state.
-
-        Args:
-            store: The Keras weights store to write to.
-        """
+    def _save_now(self, store: Any) -> None:
         self.__wrapped__.save_own_variables(store)
         state = self._self_accumulation.state
         if state is not None:
             state.save(store)
 
-    def load_own_variables(self, store: Any) -> None:
-        """Loads what `save_own_variables` wrote.
-
-        A store written by the plain optimizer loads into the wrapped one and
-        leaves the accumulators empty.
-
-        Args:
-            store: The Keras weights store to read from.
-
-        Raises:
-            ValueError: If the store was written with another `n`,
-                `reduction` or model.
-        """
-        keys = list(store.keys())
-        self.__wrapped__.load_own_variables({k: store[k] for k in keys if not State.owns_key(k)})
-        state = self._self_accumulation.state
-        # Unbuilt (a copy Keras unpickles, see `__reduce_ex__`), the wrapped
-        # optimizer skips its own variables with a warning; the accumulation
-        # state, which does not exist yet, is skipped with them.
-        if state is not None and any(State.owns_key(k) for k in keys):
-            state.load(store)
+    def _load_now(self, values: dict[str, np.ndarray]) -> None:
+        self.__wrapped__.load_own_variables({k: v for k, v in values.items() if not State.owns_key(k)})
+        if any(State.owns_key(k) for k in values):
+            self._self_accumulation.state.load(values)

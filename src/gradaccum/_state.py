@@ -124,6 +124,32 @@ def _check_settings(saved_n: int, saved_reduction: str, n: int, reduction: str) 
         )
 
 
+def read_store(store: Any) -> dict[str, np.ndarray]:
+    """A Keras weights store's values, read into memory.
+
+    Keras closes the file once loading returns; what an unbuilt optimizer
+    keeps for later must not refer to it.
+    """
+    return {key: np.array(store[key]) for key in store.keys()}
+
+
+def check_saved_settings(store: Any, n_code: int, reduction: str) -> None:
+    """Refuses a Keras weights store written with another `n` or `reduction`.
+
+    A store without accumulation state (written by the plain optimizer)
+    passes.
+
+    Raises:
+        ValueError: If the store's `n` or `reduction` differ.
+    """
+    if f"{KEY}n" not in store.keys():
+        return
+    saved_reduction = {v: k for k, v in _REDUCTION_CODES.items()}.get(
+        int(np.asarray(store[f"{KEY}reduction"])), "?"
+    )
+    _check_settings(int(np.asarray(store[f"{KEY}n"])), saved_reduction, n_code, reduction)
+
+
 class _Checkpointed(tf.Module):
     """What TensorFlow checkpoints hold of a `State` (see the module docstring)."""
 
@@ -375,10 +401,7 @@ class State:
             ValueError: If the store was written with another `n`,
                 `reduction` or model (naming the variables that differ).
         """
-        reduction = {v: k for k, v in _REDUCTION_CODES.items()}.get(
-            int(np.asarray(store[f"{KEY}reduction"])), "?"
-        )
-        _check_settings(int(np.asarray(store[f"{KEY}n"])), reduction, self.n_code, self.reduction)
+        check_saved_settings(store, self.n_code, self.reduction)
         count = sum(1 for k in store.keys() if k.startswith(f"{KEY}accumulator_"))
         names = relative_names(self.variables)
         saved_names = None
