@@ -1,6 +1,6 @@
 """Every change gradaccum makes to objects it does not own, in one place.
 
-Three patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
+Five patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
 `FunctionWrapper`), all undone the same way (`Patch.remove`):
 
 - `keras.Model.compile`, while a `gradaccum.accumulating()` block is open
@@ -8,7 +8,11 @@ Three patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
 - Keras's `serialize_keras_object`, for good, in every Keras module that
   binds it, so that a proxy is written as itself (`serialize_as`);
 - the write methods of TensorFlow variables, for the duration of one masked
-  update (see `gradaccum._backend.tensorflow.updates`).
+  update (see `gradaccum._backend.tensorflow.updates`);
+- Keras's `Trainer.compute_loss`, for good, and, while it computes the loss
+  of a model whose optimizer accumulates, `Loss.__call__` and Keras's
+  `reduce_weighted_values` (`SharedPatch`), to record what each loss divides
+  its micro-batch by (see `gradaccum._loss_counts`).
 """
 
 from __future__ import annotations
