@@ -117,7 +117,7 @@ def count_of(
         values, weight = keras_loss.squeeze_or_expand_to_same_rank(values, weight)
         static = tf.broadcast_static_shape(values.shape, weight.shape)
         dynamic = tf.broadcast_dynamic_shape(tf.shape(values), tf.shape(weight))
-    if tuple(static) in ((), (0,)):
+    if static.rank is not None and tuple(static) in ((), (0,)):
         return Count(None)
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         return Count(tf.reduce_sum(tf.cast(weight, tf.float32)))
@@ -130,7 +130,7 @@ def count_of(
         total = tf.cast(tf.size(mask), tf.float32)
         return Count(tf.math.divide_no_nan(entries * valid, total))
     per_row = None
-    if static.rank >= 1 and static[1:].is_fully_defined():
+    if static.rank is not None and static.rank >= 1 and static[1:].is_fully_defined():
         per_row = static[1:].num_elements()
     return Count(entries, per_row)
 
