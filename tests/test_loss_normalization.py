@@ -268,6 +268,26 @@ def test_two_replicas_equal_one_device_on_the_concatenated_batch(name, mode):
     assert_states_close(full_state(reference, reference_opt), full_state(model, opt))
 
 
+@pytest.mark.parametrize("wrap_loss_scale", [False, True])
+def test_two_replicas_run_eagerly(wrap_loss_scale):
+    """Eagerly, each replica's step runs in a thread of its own too."""
+    strategy = mirrored()
+    x, y = sequences(2 * N * B, seed=12)
+    make_model = _token_model_for("sgd")
+    reference = train(make_model, LINEAR["sgd"](), x, y, N * B, TOKEN_LOSS)
+    with strategy.scope():
+        model = make_model()
+        inner = LINEAR["sgd"]()
+        if wrap_loss_scale:
+            inner = keras.optimizers.LossScaleOptimizer(inner)
+        opt = accumulate(inner, N)
+    model.compile(optimizer=opt, loss=TOKEN_LOSS, run_eagerly=True)
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    for expected, actual in zip(reference.weights, model.weights):
+        np.testing.assert_allclose(actual.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    assert int(opt.iterations.numpy()) == 2
+
+
 @pytest.mark.parametrize(
     "order", ["accumulate_outside", "accumulate_inside"]
 )
