@@ -21,7 +21,8 @@ def _recipes():
 def test_readme_has_the_recipes():
     titles = [t for t, _ in _recipes()]
     for wanted in ("model.fit", "Custom training loop", "Mixed precision",
-                   "MirroredStrategy", "Third-party training code", "Resuming"):
+                   "MirroredStrategy", "Third-party training code", "Resuming",
+                   "Token-level losses"):
         assert any(wanted in t for t in titles), (wanted, titles)
 
 

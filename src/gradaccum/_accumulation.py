@@ -39,6 +39,9 @@ class Accumulation:
         n: Micro-batches per update, an int or a schedule (checked).
         reduction: `"mean"` or `"sum"` (checked).
         mode: `"masked"` or `"skip"` (checked).
+        weigh_by: `"count"` or `"batch"` (checked): whether a micro-batch
+            without an explicit weight weighs the count handed over by
+            `count_next` (see `gradaccum._loss_counts`) or 1.
         on_built: Called with the state's checkpoint module once the state
             exists (the proxy restores what a checkpoint deferred for it).
     """
@@ -49,17 +52,22 @@ class Accumulation:
         n: Any,
         reduction: str,
         mode: str,
+        weigh_by: str,
         on_built: Callable[[tf.Module], None],
     ):
         self.family = family
         self.cycle = CycleLength(n)
         self.reduction = reduction
         self.mode = mode
+        self.weigh_by = weigh_by
         self.state: State | None = None
         self.strategy: CycleStrategy | None = None
         self._on_built = on_built
         # A weight handed over by a loss-scale front for the next micro-step.
         self._handed_weight: Any = None
+        # Loss counts handed over for the next micro-step, by replica: each
+        # replica computes its loss and applies in a thread of its own.
+        self._counts: dict[int, Any] = {}
         # Extra `apply_gradients` arguments of the latest micro-step, for the
         # update its cycle ends with (also when `flush()` ends it).
         self._options: Mapping[str, Any] = {}
@@ -157,6 +165,32 @@ class Accumulation:
         finally:
             self._handed_weight = None
 
+    def count_next(self, count: Any) -> None:
+        """Hands the next micro-step the count its loss was divided by.
+
+        `model.fit`'s loss computation calls this (see
+        `gradaccum._loss_counts`) right before the train step applies the
+        gradients of that loss. The next micro-step of this replica without
+        an explicit `weight` weighs `count`; with `weigh_by="batch"`, or
+        `count=None`, it weighs 1. A count is used once, only in the
+        `tf.function` (or the eager run) it was computed in; a newer count
+        replaces one not used yet.
+
+        Args:
+            count: A scalar float32 tensor, or None.
+        """
+        replica = distribution.replica_id()
+        if count is None or self.weigh_by != "count":
+            self._counts.pop(replica, None)
+        else:
+            self._counts[replica] = count
+
+    def _take_count(self) -> Any:
+        count = self._counts.pop(distribution.replica_id(), None)
+        if count is None or not tensors.usable_here(count):
+            return None
+        return count
+
     def step(
         self,
         grads: Sequence[Any],
@@ -173,6 +207,9 @@ class Accumulation:
         weight = check_weight(weight)
         if weight is None:
             weight, self._handed_weight = self._handed_weight, None
+        # An explicit weight wins over the loss's count; taken either way,
+        # so that a count never outlives its step.
+        count = self._take_count()
         grads = list(grads)
         if variables is None:
             if not self.built:
@@ -210,6 +247,10 @@ class Accumulation:
             with tf.control_dependencies(self.cycle.hand_over_guard()):
                 self.family.apply(grads, variables, options)
             return
+        if weight is None:
+            # With `n=1` (above) a weighted mean over one micro-batch is
+            # that micro-batch, so the count matters from here on only.
+            weight = count
         state.refresh_participants()
         self._check_unmet(lambda: state.micro_step.value() + 1 >= self.current_n())
         self.strategy.add(grads, indices, weight)

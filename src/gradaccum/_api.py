@@ -8,10 +8,10 @@ from typing import Any, Callable
 import keras
 import tensorflow as tf
 
-from gradaccum import _saving
+from gradaccum import _loss_counts, _saving
 from gradaccum._loss_scale import LossScaleFront  # noqa: F401  (registers the kind)
 from gradaccum._proxy import AccumulatingOptimizer
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_weigh_by
 
 
 def accumulate(
@@ -20,6 +20,7 @@ def accumulate(
     *,
     reduction: str = "mean",
     mode: str = "masked",
+    weigh_by: str = "count",
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -47,6 +48,14 @@ def accumulate(
             decided in cross-replica context, so it works under
             `MirroredStrategy`): in-between micro-steps cost only the
             accumulation. Both give the same result.
+        weigh_by: What a micro-batch of `model.fit` weighs in the mean.
+            `"count"` (default): the count Keras's loss divided it by (its
+            valid entries under a mask, its sum of sample weights for
+            `reduction="mean_with_sample_weight"`, its size), so the update
+            is the mean over every entry of the cycle, as on the large batch
+            (see the README for several losses). `"batch"`: 1, every
+            micro-batch alike (Keras's per-batch means, averaged). A
+            `weight` passed to `apply_gradients` wins over either.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -55,9 +64,9 @@ def accumulate(
     Raises:
         TypeError: If `n` is missing or neither an int nor a callable, or
             `optimizer` is not a Keras optimizer.
-        ValueError: If `n < 1`, `reduction` or `mode` is unknown,
-            `optimizer` already accumulates gradients, or the active Keras
-            backend is not TensorFlow.
+        ValueError: If `n < 1`, `reduction`, `mode` or `weigh_by` is
+            unknown, `optimizer` already accumulates gradients, or the active
+            Keras backend is not TensorFlow.
     """
     if n is None:
         raise TypeError(
@@ -66,8 +75,11 @@ def accumulate(
     n = check_n_or_schedule(n)
     reduction = check_reduction(reduction)
     mode = check_mode(mode)
+    weigh_by = check_weigh_by(weigh_by)
     if optimizer is not None:
-        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode)
+        return AccumulatingOptimizer(
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by
+        )
 
     def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(factory):
@@ -80,7 +92,7 @@ def accumulate(
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
             return AccumulatingOptimizer(
-                factory(*args, **kwargs), n, reduction=reduction, mode=mode
+                factory(*args, **kwargs), n, reduction=reduction, mode=mode, weigh_by=weigh_by
             )
 
         return make
@@ -89,3 +101,4 @@ def accumulate(
 
 
 _saving.register(AccumulatingOptimizer)
+_loss_counts.install()

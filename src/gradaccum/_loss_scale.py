@@ -31,7 +31,7 @@ import wrapt
 from gradaccum import _families, _patches
 from gradaccum._proxy import AccumulatingOptimizer, accumulation_of, register_kind, wrappable_family
 from gradaccum._state import read_store
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_weigh_by
 
 
 class _UncountedIterations(wrapt.ObjectProxy):
@@ -64,7 +64,7 @@ class LossScaleFront(AccumulatingOptimizer):
 
     Args:
         optimizer: The loss-scale optimizer.
-        n, reduction, mode: As for `AccumulatingOptimizer`.
+        n, reduction, mode, weigh_by: As for `AccumulatingOptimizer`.
         _adopt: Deserializing: the loss-scale optimizer's inner optimizer,
             if it accumulates already, is the core (it was saved as one).
     """
@@ -80,6 +80,7 @@ class LossScaleFront(AccumulatingOptimizer):
         n: int | Callable[[tf.Tensor], Any],
         reduction: str = "mean",
         mode: str = "masked",
+        weigh_by: str = "count",
         *,
         _adopt: bool = False,
     ):
@@ -89,7 +90,9 @@ class LossScaleFront(AccumulatingOptimizer):
         if not (_adopt and isinstance(core, AccumulatingOptimizer)):
             family = wrappable_family(optimizer)
             n, reduction, mode = check_n_or_schedule(n), check_reduction(reduction), check_mode(mode)
-            core = AccumulatingOptimizer(core, n, reduction=reduction, mode=mode)
+            core = AccumulatingOptimizer(
+                core, n, reduction=reduction, mode=mode, weigh_by=check_weigh_by(weigh_by)
+            )
             self._install(optimizer, attribute, core)
         super().__init__(optimizer, family, accumulation_of(core))
         self._self_core = core

@@ -12,7 +12,11 @@ The patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
   around an accumulating optimizer keeps a file loaded before its build
   (see `gradaccum._loss_scale`);
 - the write methods of TensorFlow variables, for the duration of one masked
-  update (see `gradaccum._backend.tensorflow.updates`).
+  update (see `gradaccum._backend.tensorflow.updates`);
+- Keras's `Trainer.compute_loss`, for good, and, while it computes the loss
+  of a model whose optimizer accumulates, `Loss.__call__` and Keras's
+  `reduce_weighted_values` (`SharedPatch`), to record what each loss divides
+  its micro-batch by (see `gradaccum._loss_counts`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,13 @@ from gradaccum import _backend, _families, _saving
 from gradaccum._accumulation import Accumulation
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import CHILD, AccumulationState, State, check_saved_settings, read_store
-from gradaccum._validation import check_mode, check_n, check_n_or_schedule, check_reduction
+from gradaccum._validation import (
+    check_mode,
+    check_n,
+    check_n_or_schedule,
+    check_reduction,
+    check_weigh_by,
+)
 
 
 class AccumulatingOptimizer(wrapt.ObjectProxy):
@@ -65,13 +71,20 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         mode: `"masked"` or `"skip"`: whether the wrapped optimizer's update
             runs on every micro-step (its result kept only on the apply
             step) or only on the apply step.
+        weigh_by: `"count"` weighs each micro-batch of `model.fit` by the
+            count its compiled loss was divided by (valid entries of a masked
+            loss, the sum of sample weights for
+            `"mean_with_sample_weight"`, the size of a ragged batch), so the
+            update is the mean over every entry of the cycle, as on the
+            large batch; `"batch"` weighs every micro-batch alike. An
+            explicit `weight` passed to `apply_gradients` wins either way.
 
     Raises:
         TypeError: If `optimizer` is not a Keras optimizer or `n` is neither
             an int nor a callable.
-        ValueError: If `n < 1`, `reduction` or `mode` is unknown,
-            `optimizer` already accumulates gradients, or the active Keras
-            backend is not TensorFlow.
+        ValueError: If `n < 1`, `reduction`, `mode` or `weigh_by` is
+            unknown, `optimizer` already accumulates gradients, or the active
+            Keras backend is not TensorFlow.
     """
 
     # The kinds (see `register_kind`), asked in order whether they wrap an
@@ -132,6 +145,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     def mode(self) -> str:
         """`"masked"` or `"skip"`: when the wrapped optimizer's update runs."""
         return self._self_accumulation.mode
+
+    @property
+    def weigh_by(self) -> str:
+        """`"count"` or `"batch"`: what a `model.fit` micro-batch weighs."""
+        return self._self_accumulation.weigh_by
 
     @property
     def micro_step(self) -> tf.Tensor:
@@ -274,8 +292,10 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Raises:
             ValueError: If `config` lacks `optimizer` or `n`.
         """
-        optimizer, n, reduction, mode = _saving.arguments(config, custom_objects)
-        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode, _adopt=True)
+        optimizer, n, reduction, mode, weigh_by = _saving.arguments(config, custom_objects)
+        return AccumulatingOptimizer(
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, _adopt=True
+        )
 
     # ------------------------------------------------------------------
     # Pickling and copying.
@@ -288,25 +308,39 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     # rate if it was not. A proxy's copy is a new proxy, with the same `n`,
     # `reduction` and `mode`, around what Keras makes of the wrapped
     # optimizer; like the slots, a built proxy's accumulators are not copied.
+    # (`weigh_by` travels too.)
     # A loss-scale optimizer's copy holds a copy of the accumulating inner
     # optimizer (serialized as itself), which the new front adopts.
 
     @classmethod
-    def _rebuilt(cls, optimizer: Any, n: Any, reduction: str, mode: str) -> AccumulatingOptimizer:
-        return AccumulatingOptimizer(optimizer, n, reduction=reduction, mode=mode, _adopt=True)
+    def _rebuilt(
+        cls, optimizer: Any, n: Any, reduction: str, mode: str, weigh_by: str = "count"
+    ) -> AccumulatingOptimizer:
+        return AccumulatingOptimizer(
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, _adopt=True
+        )
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
-        return (AccumulatingOptimizer._rebuilt, (self.__wrapped__, self.n, self.reduction, self.mode))
+        return (
+            AccumulatingOptimizer._rebuilt,
+            (self.__wrapped__, self.n, self.reduction, self.mode, self.weigh_by),
+        )
 
     def __reduce__(self) -> tuple:
         return self.__reduce_ex__(2)
 
     def __copy__(self) -> AccumulatingOptimizer:
-        return self._rebuilt(copy.copy(self.__wrapped__), self.n, self.reduction, self.mode)
+        return self._rebuilt(
+            copy.copy(self.__wrapped__), self.n, self.reduction, self.mode, self.weigh_by
+        )
 
     def __deepcopy__(self, memo: dict) -> AccumulatingOptimizer:
         return self._rebuilt(
-            copy.deepcopy(self.__wrapped__, memo), copy.deepcopy(self.n, memo), self.reduction, self.mode
+            copy.deepcopy(self.__wrapped__, memo),
+            copy.deepcopy(self.n, memo),
+            self.reduction,
+            self.mode,
+            self.weigh_by,
         )
 
     def __repr__(self) -> str:
@@ -315,7 +349,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             position = str(int(self.micro_step.numpy()))
         return (
             f"<AccumulatingOptimizer n={self.n} "
-            f"reduction={self.reduction!r} mode={self.mode!r} micro_step={position} "
+            f"reduction={self.reduction!r} mode={self.mode!r} weigh_by={self.weigh_by!r} "
+            f"micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
 
@@ -388,6 +423,7 @@ class _Core(AccumulatingOptimizer):
         n: int | Callable[[tf.Tensor], Any],
         reduction: str = "mean",
         mode: str = "masked",
+        weigh_by: str = "count",
         *,
         _adopt: bool = False,
     ):
@@ -397,6 +433,7 @@ class _Core(AccumulatingOptimizer):
             check_n_or_schedule(n),
             check_reduction(reduction),
             check_mode(mode),
+            check_weigh_by(weigh_by),
             on_built=self._restore_deferred,
         )
         super().__init__(optimizer, family, accumulation)
@@ -450,7 +487,10 @@ class _Core(AccumulatingOptimizer):
             weight: Optional weight of this micro-batch (a number >= 0 or a
                 scalar tensor), for example its sample or token count. The
                 update applies `sum(w_i * g_i) / sum(w_i)` (`"mean"`) or
-                `sum(w_i * g_i)` (`"sum"`); omitted, every micro-batch weighs 1.
+                `sum(w_i * g_i)` (`"sum"`). Omitted, the micro-batch weighs
+                the count its loss was divided by if the loss was computed by
+                `model.compute_loss` (as in `model.fit`) and `weigh_by` is
+                `"count"`, else 1.
             **kwargs: Further keyword arguments of the wrapped optimizer's
                 `apply_gradients` (a tf_keras optimizer's `name`,
                 `skip_gradients_aggregation`,

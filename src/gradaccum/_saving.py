@@ -3,7 +3,8 @@
 Keras serializes an object by its `__class__`, which a proxy reports as the
 wrapped optimizer's. `register` therefore makes Keras's
 `serialize_keras_object` write an `AccumulatingOptimizer` as itself: a config
-with the wrapped optimizer's serialized config, `n`, `reduction` and `mode`,
+with the wrapped optimizer's serialized config, `n`, `reduction`, `mode` and
+`weigh_by`,
 under the registered name `gradaccum>AccumulatingOptimizer`, so that
 `load_model` needs no `custom_objects` once `gradaccum` is imported, under
 `safe_mode=True` too. `opt.get_config()` is still the wrapped optimizer's.
@@ -33,6 +34,7 @@ def config_of(proxy: Any) -> dict:
         "n": n if isinstance(n, int) else serialization_lib.serialize_keras_object(n),
         "reduction": proxy.reduction,
         "mode": proxy.mode,
+        "weigh_by": proxy.weigh_by,
     }
     return {
         "module": "gradaccum",
@@ -42,8 +44,9 @@ def config_of(proxy: Any) -> dict:
     }
 
 
-def arguments(config: dict, custom_objects: Any = None) -> tuple[Any, Any, str, str]:
-    """`(optimizer, n, reduction, mode)` from a config `config_of` wrote.
+def arguments(config: dict, custom_objects: Any = None) -> tuple[Any, Any, str, str, str]:
+    """`(optimizer, n, reduction, mode, weigh_by)` from a config `config_of`
+    wrote (one written before `weigh_by` existed gets its default).
 
     Raises:
         ValueError: If `config` lacks `optimizer` or `n`.
@@ -60,7 +63,13 @@ def arguments(config: dict, custom_objects: Any = None) -> tuple[Any, Any, str, 
     n = config["n"]
     if not isinstance(n, int):
         n = keras.saving.deserialize_keras_object(n, custom_objects=custom_objects)
-    return optimizer, n, config.get("reduction", "mean"), config.get("mode", "masked")
+    return (
+        optimizer,
+        n,
+        config.get("reduction", "mean"),
+        config.get("mode", "masked"),
+        config.get("weigh_by", "count"),
+    )
 
 
 def register(cls: type) -> None:

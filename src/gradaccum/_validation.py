@@ -7,6 +7,7 @@ from typing import Any
 
 REDUCTIONS = ("mean", "sum")
 MODES = ("masked", "skip")
+WEIGHINGS = ("count", "batch")
 
 
 def check_n(n: Any) -> int:
@@ -41,6 +42,18 @@ def check_mode(mode: Any) -> str:
             f"`mode` must be one of {MODES}. Received: mode={mode!r}."
         )
     return mode
+
+
+def check_weigh_by(weigh_by: Any) -> str:
+    """Returns `weigh_by`, or raises if it is not one of `WEIGHINGS`."""
+    if not isinstance(weigh_by, str) or weigh_by not in WEIGHINGS:
+        raise ValueError(
+            f"`weigh_by` must be one of {WEIGHINGS}: \"count\" weighs each "
+            "micro-batch of `model.fit` by the count its loss was divided by, "
+            "\"batch\" weighs every micro-batch alike. "
+            f"Received: weigh_by={weigh_by!r}."
+        )
+    return weigh_by
 
 
 def check_n_or_schedule(n: Any) -> int | Any:

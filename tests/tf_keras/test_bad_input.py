@@ -32,6 +32,15 @@ def test_bad_n_and_reduction(make):
 
 
 @pytest.mark.parametrize("make", MAKERS)
+def test_weigh_by_is_checked_and_kept(make):
+    with pytest.raises(ValueError, match="`weigh_by`"):
+        accumulate(make(), 2, weigh_by="tokens")
+    assert accumulate(make(), 2, weigh_by="batch").weigh_by == "batch"
+    scaled = accumulate(tf_keras.mixed_precision.LossScaleOptimizer(make()), 2, weigh_by="batch")
+    assert scaled.weigh_by == "batch"
+
+
+@pytest.mark.parametrize("make", MAKERS)
 def test_wrapping_twice(make):
     with pytest.raises(ValueError, match="already an AccumulatingOptimizer"):
         accumulate(accumulate(make(), 2), 2)

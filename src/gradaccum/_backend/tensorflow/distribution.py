@@ -151,6 +151,21 @@ def replicas_in_sync() -> int:
     return context.num_replicas_in_sync if context is not None else 1
 
 
+def replica_id() -> int:
+    """This replica's index in its sync group (0 outside replica context).
+
+    Under `MirroredStrategy` each replica runs its step in its own thread,
+    and a call that crosses replica context (a loss-scale optimizer's
+    `merge_call`) comes back on new threads; the index is what stays the
+    same for one replica throughout a step.
+    """
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        return 0
+    value = tf.get_static_value(context.replica_id_in_sync_group)
+    return 0 if value is None else int(value)
+
+
 def sum_over_replicas(values: Any) -> Any:
     """All-reduces `values` (dense tensors) by summation across replicas."""
     context = tf.distribute.get_replica_context()

@@ -20,6 +20,27 @@ def nothing() -> None:
     return None
 
 
+def usable_here(tensor: Any) -> bool:
+    """Whether `tensor` belongs where code runs now.
+
+    An eager tensor is usable eagerly; a symbolic one in the graph that made
+    it or in a graph nested in that one (a `tf.cond` branch, a loop body).
+    Used where a value is handed from one call to a later one, so that a value
+    left over from another `tf.function`, or from an eager call, is never
+    captured into a graph as a constant.
+    """
+    if not tf.is_symbolic_tensor(tensor):
+        return tf.executing_eagerly()
+    if tf.executing_eagerly():
+        return False
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if graph is tensor.graph:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
 def accumulator_dtype(variable: Any) -> tf.DType:
     """float64 for float64 variables, float32 for every other dtype."""
     dtype = tf.as_dtype(variable.dtype)
