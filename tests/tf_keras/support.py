@@ -9,6 +9,9 @@ state is keyed by variable name.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import textwrap
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -207,3 +210,19 @@ def grow_reference(make):
             mean.append(None if not given else tf.add_n(given) / GROW_N)
         opt.apply_gradients(zip(mean, variables))
     return grow_state(variables, opt)
+
+
+def run_python(code: str) -> str:
+    """Runs `code` (dedented) in a fresh Python process; returns its output.
+
+    For what depends on which modules a process has imported (TensorFlow
+    fixes its Keras flavour at import).
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

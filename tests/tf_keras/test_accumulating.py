@@ -6,9 +6,7 @@ tensorflow-recommenders' retrieval task does); each compared with the plain
 optimizer on the large batch.
 """
 
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import tensorflow as tf
@@ -16,7 +14,13 @@ import tf_keras
 
 from gradaccum import AccumulatingOptimizer, accumulating
 from tests.support import MODES
-from tests.tf_keras.support import assert_states_close, full_state, make_data, make_mlp
+from tests.tf_keras.support import (
+    assert_states_close,
+    full_state,
+    make_data,
+    make_mlp,
+    run_python,
+)
 
 N, B = 3, 4
 X, Y = make_data(B * N * 4)
@@ -120,22 +124,11 @@ def test_custom_train_step_with_a_summed_loss_needs_sum():
         _assert_accumulates(averaged, reference)
 
 
-def _run(code):
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 def test_tf_keras_imported_inside_the_block(monkeypatch):
     # Without the variable TensorFlow does not import tf_keras itself, so
     # it is first imported inside the block.
     monkeypatch.delenv("TF_USE_LEGACY_KERAS")
-    out = _run(
+    out = run_python(
         """
         import sys
         import gradaccum

@@ -1,8 +1,6 @@
 """Bad input fails early, with the argument named, for tf_keras optimizers too."""
 
-import subprocess
 import sys
-import textwrap
 
 import keras
 import numpy as np
@@ -11,7 +9,7 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.tf_keras.support import make_data, make_mlp, mse_grads
+from tests.tf_keras.support import make_data, make_mlp, mse_grads, run_python
 
 MAKERS = [
     pytest.param(lambda: tf_keras.optimizers.Adam(1e-2), id="new"),
@@ -113,21 +111,10 @@ def test_keras3_optimizer_has_no_minimize_or_tf_keras_arguments():
         opt.apply_gradients([], name="update")
 
 
-def _run(code):
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
 def test_import_gradaccum_does_not_import_tf_keras(monkeypatch):
     # TensorFlow imports tf_keras itself under TF_USE_LEGACY_KERAS=1.
     monkeypatch.delenv("TF_USE_LEGACY_KERAS")
-    out = _run(
+    out = run_python(
         """
         import sys
         import gradaccum
@@ -139,7 +126,7 @@ def test_import_gradaccum_does_not_import_tf_keras(monkeypatch):
 
 def test_first_call_in_a_process_wraps_a_tf_keras_loss_scale_optimizer():
     # The tf_keras adapters and loss-scale wrapper register on first use.
-    out = _run(
+    out = run_python(
         """
         import tf_keras
         from gradaccum import AccumulatingOptimizer, accumulate
