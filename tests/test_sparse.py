@@ -9,13 +9,24 @@ cycle's slices and equals the large batch; `sparse="rows"` (the default) adds
 them into rows, which equals it only for updates linear in the gradient.
 """
 
+import copy
+import pickle
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import gradaccum
 from gradaccum import accumulate
-from tests.support import MODES, assert_states_close, assert_states_equal, fit, full_state
+from tests.support import (
+    MODES,
+    assert_states_close,
+    assert_states_equal,
+    fit,
+    full_state,
+    mirrored,
+)
 
 N, B, CYCLES = 4, 4, 3
 VOCAB, LENGTH = 12, 5
@@ -193,15 +204,68 @@ def test_weights_file_loaded_into_rows_adds_the_slices_into_rows(tmp_path):
     np.testing.assert_array_equal(opt.accumulation_state.accumulators[emb].numpy(), expected)
 
 
-def test_config_round_trip_and_bad_values():
+def test_flush_applies_the_kept_slices_of_a_partial_cycle():
+    """Two micro-batches, then `flush()`: the large batch of those two."""
+    x, y = _data()
+    make = lambda: keras.optimizers.Adam(0.05, global_clipnorm=0.05)  # noqa: E731
+    reference = fit(_model(), make(), x[: 2 * B], y[: 2 * B], 2 * B)
+    model = _model()
+    opt = accumulate(make(), N, sparse="slices")
+    fit(model, opt, x[: 2 * B], y[: 2 * B], B)
+    opt.flush()
+    assert int(opt.iterations) == 1
+    assert all(v.numpy().shape[0] == 0 for v, _ in opt.accumulation_state.kept_slices.values())
+    assert_states_close(full_state(reference, reference.optimizer), full_state(model, opt))
+
+
+def test_loss_scale_optimizer_keeps_slices_too():
+    x, y = _data()
+    reference = fit(_model(), keras.optimizers.Adam(0.05), x, y, B * N)
+    model = _model()
+    opt = accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.05)), N, sparse="slices")
+    fit(model, opt, x, y, B)
+    ref, sub = full_state(reference, reference.optimizer), full_state(model, opt.inner_optimizer)
+    assert_states_close(ref, {k: sub[k] for k in ref})
+
+
+def test_xla_is_refused_with_a_clear_error():
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=accumulate(keras.optimizers.Adam(), N, sparse="slices"), loss="mse",
+                  jit_compile=True)
+    with pytest.raises(ValueError, match="XLA"):
+        model.fit(x[:B], y[:B], batch_size=B, verbose=0)
+
+
+def test_more_than_one_replica_is_refused():
+    with mirrored().scope():
+        model = _model()
+        opt = accumulate(keras.optimizers.Adam(), N, sparse="slices")
+        with pytest.raises(ValueError, match="one device only"):
+            opt.build(model.trainable_variables)
+
+
+def test_setting_travels_and_bad_values_are_refused():
     opt = accumulate(keras.optimizers.Adam(), 2, sparse="slices")
     config = keras.saving.serialize_keras_object(opt)
     assert config["config"]["sparse"] == "slices"
-    again = keras.saving.deserialize_keras_object(config)
-    assert again.sparse == "slices"
+    assert keras.saving.deserialize_keras_object(config).sparse == "slices"
+    assert pickle.loads(pickle.dumps(opt)).sparse == "slices"
+    assert copy.copy(opt).sparse == copy.deepcopy(opt).sparse == "slices"
+    assert "sparse='slices'" in repr(opt)
     assert accumulate(keras.optimizers.Adam(), 2).sparse == "rows"
-    with pytest.raises(ValueError, match="`sparse` must be one of"):
-        accumulate(keras.optimizers.Adam(), 2, sparse="dense")
-    with pytest.raises(TypeError, match="`sparse` must be a string"):
-        accumulate(keras.optimizers.Adam(), 2, sparse=True)
+    assert accumulate(n=2, sparse="slices")(keras.optimizers.Adam)().sparse == "slices"
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with gradaccum.accumulating(2, sparse="slices"):
+        model.compile(optimizer="adam", loss="mse")
+    assert model.optimizer.sparse == "slices"
+    for bad in ("dense", "Slices"):
+        with pytest.raises(ValueError, match="`sparse` must be one of"):
+            accumulate(keras.optimizers.Adam(), 2, sparse=bad)
+        with pytest.raises(ValueError, match="`sparse` must be one of"):
+            with gradaccum.accumulating(2, sparse=bad):
+                pass
+    for bad in (True, None, 1):
+        with pytest.raises(TypeError, match="`sparse` must be a string"):
+            accumulate(keras.optimizers.Adam(), 2, sparse=bad)
 

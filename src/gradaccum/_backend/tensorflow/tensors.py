@@ -94,13 +94,31 @@ def slice_buffers(variable: Any, colocate_with: Any) -> tuple[tf.Variable, tf.Va
     return values, indices
 
 
+def compiled_by_xla() -> bool:
+    """Whether the code being traced now is compiled by XLA (`jit_compile`)."""
+    if tf.executing_eagerly():
+        return False
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def append_slices(values: tf.Variable, indices: tf.Variable, grad: tf.IndexedSlices, weight: Any) -> None:
     """Appends `weight * grad` (or `grad`) to the buffers `slice_buffers` made.
 
     Repeated rows stay separate, as the optimizer would see them in one
     large batch. Each append allocates the grown buffer once (the old one
     is freed when the assignment replaces it).
+
+    Raises:
+        ValueError: Under XLA, which cannot change a variable's shape.
     """
+    if compiled_by_xla():
+        raise ValueError(
+            "sparse=\"slices\" keeps a cycle's slices in buffers that grow on "
+            "every micro-step, which XLA cannot compile (`jit_compile=True`). "
+            "Compile without XLA, or use sparse=\"rows\" (the default)."
+        )
     new = tf.cast(grad.values, values.dtype)
     if weight is not None:
         new = new * tf.cast(weight, values.dtype)
