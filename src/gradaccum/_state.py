@@ -10,8 +10,10 @@ Persistence. TensorFlow checkpoints (`tf.train.Checkpoint`,
 `BackupAndRestore`, SavedModel) reach the state through `State.module`, a
 `tf.Module` that the proxy adds to the wrapped optimizer's children as
 `gradient_accumulation`: the accumulators, the micro-step counter, the
-weight total, and as tensors the `n`/`reduction` the state was written with
-and which variables take part; a checkpoint matches accumulators by position.
+weight total, the kept slices (`sparse="slices"`, by variable position,
+restored when they are created again), and as tensors the `n`/`reduction`
+the state was written with and which variables take part; a checkpoint
+matches accumulators by position.
 Keras files (`.keras`, `.weights.h5`) reach it through `save`/`load`, under
 `gradaccum_*` keys beside the wrapped optimizer's own, with each
 accumulator's variable named (`gradaccum_names`), so that a model that lists
