@@ -204,6 +204,27 @@ def test_weights_file_loaded_into_rows_adds_the_slices_into_rows(tmp_path):
     np.testing.assert_array_equal(opt.accumulation_state.accumulators[emb].numpy(), expected)
 
 
+@pytest.mark.parametrize("how", ["weights_file", "checkpoint"])
+def test_a_partial_cycle_of_rows_is_refused_by_slices(how, tmp_path):
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=accumulate(keras.optimizers.Adam(0.05), N), loss="mse")
+    model.fit(x[:B], y[:B], batch_size=B, shuffle=False, verbose=0)
+    slices = _model()
+    opt = accumulate(keras.optimizers.Adam(0.05), N, sparse="slices")
+    slices.compile(optimizer=opt, loss="mse")
+    opt.build(slices.trainable_variables)
+    if how == "weights_file":
+        path = str(tmp_path / "rows.weights.h5")
+        model.save_weights(path)
+        slices.load_weights(path)
+    else:
+        path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "c"))
+        tf.train.Checkpoint(model=slices, optimizer=opt).restore(path)
+    with pytest.raises(ValueError, match="partial cycle restored from state saved with sparse=.rows."):
+        slices.fit(x[B : 2 * B], y[B : 2 * B], batch_size=B, shuffle=False, verbose=0)
+
+
 def test_flush_applies_the_kept_slices_of_a_partial_cycle():
     """Two micro-batches, then `flush()`: the large batch of those two."""
     x, y = _data()

@@ -285,6 +285,7 @@ class State:
         module = self.module
         if key not in module.kept_values:
             variable = self.variables[index]
+            self._check_no_row_sums(index)
             with distribution.creation_scope(self._family.strategy()):
                 values, indices = tensors.slice_buffers(
                     variable, self._family.model_variable(variable)
@@ -292,6 +293,28 @@ class State:
             module.kept_values[key] = values
             module.kept_indices[key] = indices
         return module.kept_values[key], module.kept_indices[key]
+
+    def _check_no_row_sums(self, index: int) -> None:
+        """Refuses to keep slices for a variable whose accumulator holds sums.
+
+        Read once, eagerly, when its buffers are created: sums there come
+        from dense gradients earlier in the cycle, or from a partial cycle
+        restored from state written with `sparse="rows"`. The update would
+        hand over the slices alone and leave those sums out.
+        """
+        with tf.init_scope():
+            held = bool(
+                tf.reduce_any(tf.not_equal(tf.convert_to_tensor(self.accumulators[index]), 0)).numpy()
+            )
+        if held:
+            raise ValueError(
+                f"With sparse=\"slices\", variable {_name(self.variables[index])!r} "
+                "received tf.IndexedSlices while its accumulator holds a partial "
+                "cycle's row sums (dense gradients earlier in the cycle, or a "
+                "partial cycle restored from state saved with sparse=\"rows\"), "
+                "which the update would leave out. Finish or `flush()` that cycle "
+                "with sparse=\"rows\" first."
+            )
 
     def all_kept(self) -> dict[int, tuple[tf.Variable, tf.Variable]]:
         """Every variable's slice buffers, by its position."""
