@@ -19,11 +19,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
+from gradaccum._agc import AdaptiveClipping
 from gradaccum._backend import distribution, tensors
 from gradaccum._cycle import CycleLength
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import AccumulationState, State
-from gradaccum._strategies import CycleStrategy, choose
+from gradaccum._strategies import CycleStrategy, choose, deliver
 from gradaccum._validation import check_weight
 
 
@@ -44,6 +45,8 @@ class Accumulation:
             `count_next` (see `gradaccum._loss_counts`) or 1.
         on_built: Called with the state's checkpoint module once the state
             exists (the proxy restores what a checkpoint deferred for it).
+        agc: Adaptive gradient clipping of every update's gradient
+            (`gradaccum._agc`), or None.
     """
 
     def __init__(
@@ -54,8 +57,10 @@ class Accumulation:
         mode: str,
         weigh_by: str,
         on_built: Callable[[tf.Module], None],
+        agc: AdaptiveClipping | None = None,
     ):
         self.family = family
+        self.agc = agc
         self.cycle = CycleLength(n)
         self.reduction = reduction
         self.mode = mode
@@ -137,7 +142,7 @@ class Accumulation:
 
     def _build_state(self, variables: list[Any]) -> None:
         state = State(self.family, variables, self.cycle.code, self.reduction)
-        self.strategy = choose(self.mode, state, self.family, self.reduction)
+        self.strategy = choose(self.mode, state, self.family, self.reduction, self.agc)
         with distribution.creation_scope(self.family.strategy()):
             self.cycle.build()
         self.state = state
@@ -245,7 +250,7 @@ class Accumulation:
             # (Once anything was accumulated, with another `n` set before,
             # the accumulating path below finishes that cycle instead.)
             with tf.control_dependencies(self.cycle.hand_over_guard()):
-                self.family.apply(grads, variables, options)
+                deliver(self.family, self.agc, grads, variables, options)
             return
         if weight is None:
             # With `n=1` (above) a weighted mean over one micro-batch is

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
 
-from gradaccum import _loss_counts, _saving
+from gradaccum import _agc, _loss_counts, _saving
 from gradaccum._loss_scale import LossScaleFront  # noqa: F401  (registers the kind)
 from gradaccum._proxy import AccumulatingOptimizer
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_weigh_by
+from gradaccum._validation import (
+    check_agc,
+    check_agc_eps,
+    check_agc_exclude,
+    check_mode,
+    check_n_or_schedule,
+    check_reduction,
+    check_weigh_by,
+)
 
 
 def accumulate(
@@ -21,6 +29,9 @@ def accumulate(
     reduction: str = "mean",
     mode: str = "masked",
     weigh_by: str = "count",
+    agc: float | None = None,
+    agc_eps: float = 1e-3,
+    agc_exclude: Callable[[Any], bool] | Sequence[Any] | None = None,
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -56,6 +67,20 @@ def accumulate(
             (see the README for several losses). `"batch"`: 1, every
             micro-batch alike (Keras's per-batch means, averaged). A
             `weight` passed to `apply_gradients` wins over either.
+        agc: Adaptive gradient clipping's factor λ (Brock et al. 2021), or
+            None (default: off). Each update's gradient (the accumulated
+            mean, once per cycle, summed over replicas and unscaled) is
+            clipped unit-wise: each output unit's gradient norm is capped at
+            `agc * max(||W_unit||, agc_eps)`, before the wrapped optimizer's
+            own `clipnorm`/`global_clipnorm`/`clipvalue`. Works with `n=1`
+            too (plain AGC).
+        agc_eps: The smallest weight norm a cap is computed from (so that
+            units initialised at zero can move), a number > 0.
+        agc_exclude: Variables AGC leaves alone (the paper does not clip the
+            final classifier layer): a predicate `f(variable) -> bool`, or a
+            list of variables and variable paths (`"dense_1/kernel"`; for
+            tf_keras the variable's name). Configs save a list as paths; a
+            predicate is saved as Keras saves a function.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -65,8 +90,10 @@ def accumulate(
         TypeError: If `n` is missing or neither an int nor a callable, or
             `optimizer` is not a Keras optimizer.
         ValueError: If `n < 1`, `reduction`, `mode` or `weigh_by` is
-            unknown, `optimizer` already accumulates gradients, or the active
-            Keras backend is not TensorFlow.
+            unknown, `agc` or `agc_eps` is not a finite number > 0,
+            `optimizer` already accumulates gradients, or the active Keras
+            backend is not TensorFlow.
+        TypeError: If `agc`, `agc_eps` or `agc_exclude` has the wrong type.
     """
     if n is None:
         raise TypeError(
@@ -76,9 +103,10 @@ def accumulate(
     reduction = check_reduction(reduction)
     mode = check_mode(mode)
     weigh_by = check_weigh_by(weigh_by)
+    clipping = _agc.clipping(check_agc(agc), check_agc_eps(agc_eps), check_agc_exclude(agc_exclude))
     if optimizer is not None:
         return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, agc=clipping
         )
 
     def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,7 +120,12 @@ def accumulate(
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
             return AccumulatingOptimizer(
-                factory(*args, **kwargs), n, reduction=reduction, mode=mode, weigh_by=weigh_by
+                factory(*args, **kwargs),
+                n,
+                reduction=reduction,
+                mode=mode,
+                weigh_by=weigh_by,
+                agc=clipping,
             )
 
         return make

@@ -64,7 +64,7 @@ class LossScaleFront(AccumulatingOptimizer):
 
     Args:
         optimizer: The loss-scale optimizer.
-        n, reduction, mode, weigh_by: As for `AccumulatingOptimizer`.
+        n, reduction, mode, weigh_by, agc: As for `AccumulatingOptimizer`.
         _adopt: Deserializing: the loss-scale optimizer's inner optimizer,
             if it accumulates already, is the core (it was saved as one).
     """
@@ -82,6 +82,7 @@ class LossScaleFront(AccumulatingOptimizer):
         mode: str = "masked",
         weigh_by: str = "count",
         *,
+        agc: Any = None,
         _adopt: bool = False,
     ):
         family = _families.family_of(optimizer)
@@ -91,7 +92,7 @@ class LossScaleFront(AccumulatingOptimizer):
             family = wrappable_family(optimizer)
             n, reduction, mode = check_n_or_schedule(n), check_reduction(reduction), check_mode(mode)
             core = AccumulatingOptimizer(
-                core, n, reduction=reduction, mode=mode, weigh_by=check_weigh_by(weigh_by)
+                core, n, reduction=reduction, mode=mode, weigh_by=check_weigh_by(weigh_by), agc=agc
             )
             self._install(optimizer, attribute, core)
         super().__init__(optimizer, family, accumulation_of(core))

@@ -27,6 +27,7 @@ import wrapt
 
 from gradaccum import _backend, _families, _saving
 from gradaccum._accumulation import Accumulation
+from gradaccum._agc import AdaptiveClipping
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import CHILD, AccumulationState, State, check_saved_settings, read_store
 from gradaccum._validation import (
@@ -78,6 +79,9 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             update is the mean over every entry of the cycle, as on the
             large batch; `"batch"` weighs every micro-batch alike. An
             explicit `weight` passed to `apply_gradients` wins either way.
+        agc: Adaptive gradient clipping of each update's gradient (made by
+            `accumulate()` from its `agc`, `agc_eps` and `agc_exclude`), or
+            None.
 
     Raises:
         TypeError: If `optimizer` is not a Keras optimizer or `n` is neither
@@ -150,6 +154,24 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     def weigh_by(self) -> str:
         """`"count"` or `"batch"`: what a `model.fit` micro-batch weighs."""
         return self._self_accumulation.weigh_by
+
+    @property
+    def agc(self) -> float | None:
+        """Adaptive gradient clipping's factor λ, or None (off)."""
+        agc = self._self_accumulation.agc
+        return None if agc is None else agc.clip_factor
+
+    @property
+    def agc_eps(self) -> float:
+        """The smallest weight norm an AGC cap is computed from."""
+        agc = self._self_accumulation.agc
+        return 1e-3 if agc is None else agc.eps
+
+    @property
+    def agc_exclude(self) -> Any:
+        """What AGC leaves out: None, a predicate, or variables and names."""
+        agc = self._self_accumulation.agc
+        return None if agc is None else agc.exclude
 
     @property
     def micro_step(self) -> tf.Tensor:
@@ -292,9 +314,9 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Raises:
             ValueError: If `config` lacks `optimizer` or `n`.
         """
-        optimizer, n, reduction, mode, weigh_by = _saving.arguments(config, custom_objects)
+        optimizer, n, reduction, mode, weigh_by, agc = _saving.arguments(config, custom_objects)
         return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, _adopt=True
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, agc=agc, _adopt=True
         )
 
     # ------------------------------------------------------------------
@@ -308,22 +330,33 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     # rate if it was not. A proxy's copy is a new proxy, with the same `n`,
     # `reduction` and `mode`, around what Keras makes of the wrapped
     # optimizer; like the slots, a built proxy's accumulators are not copied.
-    # (`weigh_by` travels too.)
+    # (`weigh_by` and AGC's settings travel too; variables AGC leaves out
+    # travel as their paths.)
     # A loss-scale optimizer's copy holds a copy of the accumulating inner
     # optimizer (serialized as itself), which the new front adopts.
 
     @classmethod
     def _rebuilt(
-        cls, optimizer: Any, n: Any, reduction: str, mode: str, weigh_by: str = "count"
+        cls,
+        optimizer: Any,
+        n: Any,
+        reduction: str,
+        mode: str,
+        weigh_by: str = "count",
+        agc: AdaptiveClipping | None = None,
     ) -> AccumulatingOptimizer:
         return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, _adopt=True
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, agc=agc, _adopt=True
         )
+
+    def _portable_agc(self) -> AdaptiveClipping | None:
+        agc = self._self_accumulation.agc
+        return None if agc is None else agc.portable()
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         return (
             AccumulatingOptimizer._rebuilt,
-            (self.__wrapped__, self.n, self.reduction, self.mode, self.weigh_by),
+            (self.__wrapped__, self.n, self.reduction, self.mode, self.weigh_by, self._portable_agc()),
         )
 
     def __reduce__(self) -> tuple:
@@ -331,7 +364,12 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     def __copy__(self) -> AccumulatingOptimizer:
         return self._rebuilt(
-            copy.copy(self.__wrapped__), self.n, self.reduction, self.mode, self.weigh_by
+            copy.copy(self.__wrapped__),
+            self.n,
+            self.reduction,
+            self.mode,
+            self.weigh_by,
+            self._portable_agc(),
         )
 
     def __deepcopy__(self, memo: dict) -> AccumulatingOptimizer:
@@ -341,6 +379,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             self.reduction,
             self.mode,
             self.weigh_by,
+            self._portable_agc(),
         )
 
     def __repr__(self) -> str:
@@ -425,6 +464,7 @@ class _Core(AccumulatingOptimizer):
         mode: str = "masked",
         weigh_by: str = "count",
         *,
+        agc: AdaptiveClipping | None = None,
         _adopt: bool = False,
     ):
         family = wrappable_family(optimizer)
@@ -435,6 +475,7 @@ class _Core(AccumulatingOptimizer):
             check_mode(mode),
             check_weigh_by(weigh_by),
             on_built=self._restore_deferred,
+            agc=agc,
         )
         super().__init__(optimizer, family, accumulation)
         if family.built:
