@@ -15,6 +15,7 @@ built with the optimizer, and the strategy chosen then
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
@@ -78,6 +79,8 @@ class Accumulation:
         self._options: Mapping[str, Any] = {}
         # What waits for the state to exist (`when_built`).
         self._after_build: list[Callable[[], None]] = []
+        # Objects whose own partial cycle `flush()` ends too (`follow`), by id.
+        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------
     # Settings and read-only views.
@@ -262,8 +265,18 @@ class Accumulation:
         count = state.micro_step.value() + 1
         self._finish_if(count >= self.current_n(), count)
 
+    def follow(self, follower: Any) -> None:
+        """Makes `flush()` call `follower.flush()` too, while it lives.
+
+        A layer that keeps statistics per cycle (`gradaccum.layers`) ends
+        its partial cycle when the optimizer's ends.
+        """
+        self._followers[id(follower)] = follower
+
     def flush(self) -> None:
         """Applies what the current cycle holds now, if anything."""
+        for follower in list(self._followers.values()):
+            follower.flush()
         state = self.state
         if state is None:
             return
