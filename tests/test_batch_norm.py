@@ -272,6 +272,57 @@ def test_replace_batch_normalization_keeps_weights():
     np.testing.assert_array_equal(original.predict(x, verbose=0), copy.predict(x, verbose=0))
 
 
+def test_accumulating_can_create_this_layer_for_third_party_code():
+    import gradaccum
+
+    x, y = _data(B * N * 2)
+    reference = _large_batch(x, y)
+
+    def their_code():
+        model = make_model(keras.layers.BatchNormalization)
+        return _fit(model, keras.optimizers.SGD(0.05), x, y, B)
+
+    with gradaccum.accumulating(n=N, batch_normalization=True):
+        model = their_code()
+    assert all(type(model.get_layer(name)) is BatchNormalization for name in ("bn", "bn3"))
+    assert_moving_close(reference, model)
+    # Outside the block, and without the argument, Keras's layer is Keras's.
+    assert type(keras.layers.BatchNormalization()) is keras.layers.BatchNormalization
+    with gradaccum.accumulating(n=N):
+        assert type(keras.layers.BatchNormalization()) is keras.layers.BatchNormalization
+    with pytest.raises(TypeError, match="batch_normalization"):
+        with gradaccum.accumulating(n=N, batch_normalization=1):
+            pass
+
+
+def test_masked_inputs_pool_the_valid_entries():
+    """Sequences with padding: Keras's layer takes the moments over the
+    valid time steps; the pool counts them, so cycles of sequences with
+    different numbers of valid steps pool exactly."""
+    rng = np.random.default_rng(4)
+    x = rng.integers(1, 30, size=(B * N * 2, 5)).astype("int32")
+    for i, length in enumerate(rng.integers(1, 6, size=len(x))):
+        x[i, length:] = 0
+    y = rng.normal(size=(len(x), 1)).astype("float32")
+
+    def make(bn):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,), dtype="int32")
+        h = keras.layers.Embedding(30, 3, mask_zero=True, name="emb")(inputs)
+        h = bn(momentum=MOMENTUM, name="bn")(h)
+        out = keras.layers.Dense(1, name="out")(keras.layers.GlobalAveragePooling1D()(h))
+        return keras.Model(inputs, out, name="seq")
+
+    # The embedding does not train (lr 0), so the statistics depend on the
+    # data only.
+    reference = _fit(make(keras.layers.BatchNormalization), keras.optimizers.SGD(0.0), x, y, B * N)
+    subject = _fit(make(BatchNormalization), accumulate(keras.optimizers.SGD(0.0), N), x, y, B)
+    for r, s_ in zip(moving(reference), moving(subject)):
+        # Keras divides by the valid count plus its epsilon (1e-7): relative
+        # 1e-7 / count, within float32 rounding.
+        np.testing.assert_allclose(s_, r, rtol=RTOL, atol=ATOL)
+
+
 def test_renorm_is_refused():
     with pytest.raises(ValueError, match="renorm"):
         BatchNormalization(renorm=True)

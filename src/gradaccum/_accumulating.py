@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import keras
 
-from gradaccum import _patches
+from gradaccum import _batch_norm, _patches
 from gradaccum._api import accumulate
 from gradaccum._proxy import accumulating_in
 from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
@@ -193,7 +193,11 @@ _PATCHES = (
 
 @contextlib.contextmanager
 def accumulating(
-    n: int | Callable[..., Any], *, reduction: str | None = None, mode: str = "masked"
+    n: int | Callable[..., Any],
+    *,
+    reduction: str | None = None,
+    mode: str = "masked",
+    batch_normalization: bool = False,
 ) -> Iterator[None]:
     """Accumulates gradients in the training code run inside the block.
 
@@ -215,6 +219,12 @@ def accumulating(
             loss summed over the batch that `compile` does not see (one a
             custom `train_step` computes).
         mode: `"masked"` or `"skip"`, as for `accumulate()`.
+        batch_normalization: If True, every `keras.layers.BatchNormalization`
+            created in the block (by this thread; also one `load_model`
+            deserializes) is a `gradaccum.layers.BatchNormalization`, whose
+            moving statistics follow the cycle. Layers created before the
+            block stay as they are (see
+            `gradaccum.layers.replace_batch_normalization`).
 
     Yields:
         Nothing; on exit `compile` and `fit` are restored (see the module
@@ -224,7 +234,13 @@ def accumulating(
     Raises:
         TypeError: If `n` is not an int or callable.
         ValueError: If `n < 1`, or `reduction` or `mode` is unknown.
+        TypeError: If `batch_normalization` is not a bool.
     """
+    if not isinstance(batch_normalization, bool):
+        raise TypeError(
+            "`batch_normalization` must be True or False. Received: "
+            f"batch_normalization={batch_normalization!r}."
+        )
     n = check_n_or_schedule(n)
     if reduction is not None:
         reduction = check_reduction(reduction)
@@ -237,7 +253,8 @@ def accumulating(
         stack = _stack()
         stack.append(_Block(n, reduction, mode))
         try:
-            yield
+            with _batch_norm.replacing() if batch_normalization else contextlib.nullcontext():
+                yield
         finally:
             stack.pop()
     finally:

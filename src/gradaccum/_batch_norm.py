@@ -31,8 +31,10 @@ pool too. Without one, the layer is Keras's own.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import keras
 import tensorflow as tf
@@ -246,11 +248,40 @@ def _before_train_function(wrapped: Any, instance: Any, args: tuple, kwargs: dic
     return wrapped(*args, **kwargs)
 
 
-_installed: list[_patches.Patch] = []
+# ----------------------------------------------------------------------
+# Creating this layer where code asks for Keras's (`replacing`).
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def replacing() -> Iterator[None]:
+    """Within the block (in this thread), `keras.layers.BatchNormalization(...)`
+    creates this module's `BatchNormalization`, with the same arguments; so
+    does deserializing one (`load_model`). Subclasses of Keras's layer are
+    created as they are."""
+    install()
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    if cls is keras.layers.BatchNormalization and getattr(_local, "depth", 0):
+        cls = BatchNormalization
+    # Python then runs `__init__` of the class created: it is a subclass.
+    return _original_new(cls, *args, **kwargs)
+
+
+_original_new = keras.layers.BatchNormalization.__new__
+_installed: list[Any] = []
 
 
 def install() -> None:
-    """Wraps Keras's `Trainer.compile` and `make_train_function` (once)."""
+    """Wraps Keras's `Trainer.compile` and `make_train_function`, and gives
+    Keras's `BatchNormalization` the `__new__` that `replacing` needs (once)."""
     if _installed:
         return
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
@@ -258,6 +289,10 @@ def install() -> None:
 
     _installed.append(_patches.Patch(trainer.Trainer, "compile", _after_compile))
     _installed.append(_patches.Patch(TensorFlowTrainer, "make_train_function", _before_train_function))
+    # `__new__` is looked up on the class by Python itself, so it is set as a
+    # static method, not wrapped; it changes nothing outside `replacing`.
+    keras.layers.BatchNormalization.__new__ = staticmethod(_new)
+    _installed.append(_new)
 
 
 # Keras files name the class by its public module.

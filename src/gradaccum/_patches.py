@@ -19,7 +19,10 @@ The patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
   its micro-batch by (see `gradaccum._loss_counts`);
 - Keras's `Trainer.compile` and `TensorFlowTrainer.make_train_function`, for
   good, so that a model's `gradaccum.layers.BatchNormalization` layers
-  follow its optimizer's cycle (see `gradaccum._batch_norm`).
+  follow its optimizer's cycle, and the `__new__` of Keras's
+  `BatchNormalization`, for good, which creates gradaccum's layer instead
+  only inside `gradaccum.accumulating(..., batch_normalization=True)` (see
+  `gradaccum._batch_norm`).
 """
 
 from __future__ import annotations
