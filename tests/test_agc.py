@@ -27,6 +27,7 @@ from tests.support import (
     RTOL,
     assert_states_close,
     assert_states_equal,
+    dtype_policy,
     fit,
     full_state,
     make_data,
@@ -287,6 +288,29 @@ def test_custom_loop_loss_scale_optimizer_clips_unscaled_gradients():
         if (k + 1) % N:
             assert_states_equal(before, full_state(model, inner))
     assert_states_close(ref, full_state(model, inner))
+
+
+def test_mixed_float16_fit_clips_unscaled_gradients():
+    """`compile` under `mixed_float16` with `LossScaleOptimizer(accumulate(...))`:
+    the accumulating optimizer receives unscaled gradients. The reference
+    computes the large batch's float16 gradient in one pass, the subject sums
+    four float16 micro-batch gradients, so they differ by float16 rounding
+    (relative ~1e-3), not float32's: measured 1.3e-5 at most, hence atol
+    5e-5. Clipping gradients scaled by 16 would cap them 16 times later and
+    miss by 3e-3 (checked)."""
+    x, y = _data()
+    with dtype_policy("mixed_float16"):
+        ref, _, _ = reference(make_mlp, OPTIMIZERS["adam"], x, y, MICRO_BATCH * N)
+        wrong, _, _ = reference(make_mlp, OPTIMIZERS["adam"], x, y, MICRO_BATCH * N, factor=FACTOR * 16)
+        opt = keras.optimizers.LossScaleOptimizer(
+            accumulate(OPTIMIZERS["adam"](), N, agc=FACTOR), initial_scale=16.0
+        )
+        model = make_mlp()
+        fit(model, opt, x, y, MICRO_BATCH)
+    assert float(opt.dynamic_scale) == 16.0  # no micro-batch dropped
+    assert_states_close(ref, full_state(model, opt.inner_optimizer), rtol=2e-3, atol=5e-5)
+    key = "model/hidden0/kernel"
+    assert np.max(np.abs(wrong[key] - ref[key])) > 10 * 5e-5
 
 
 def test_loss_scale_factor_is_divided_out_first():

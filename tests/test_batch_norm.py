@@ -91,6 +91,20 @@ def test_first_layer_moving_statistics_equal_the_large_batch(mode):
     assert float(subject.get_layer("bn").pooled_count.numpy()) == 0.0
 
 
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [dict(run_eagerly=True), dict(jit_compile=True), dict(steps_per_execution=3)],
+    ids=["eager", "xla", "steps_per_execution"],
+)
+def test_execution_modes(compile_kwargs):
+    x, y = _data(B * N * 3)
+    reference = _large_batch(x, y)
+    model = make_model()
+    model.compile(optimizer=accumulate(keras.optimizers.SGD(0.05), N), loss="mse", **compile_kwargs)
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    assert_moving_close(reference, model)
+
+
 def test_conv_inputs_pool_over_batch_and_space():
     x, y = _data(B * N * 2, shape=(4, 4, 3))
     reference = _large_batch(x, y, shape=(4, 4, 3))
