@@ -253,7 +253,12 @@ class Accumulation:
             # (Once anything was accumulated, with another `n` set before,
             # the accumulating path below finishes that cycle instead.)
             with tf.control_dependencies(self.cycle.hand_over_guard()):
-                deliver(self.family, self.agc, grads, variables, options)
+                if self.agc is None:
+                    # The plain optimizer, bit for bit (its own per-replica
+                    # clipping included).
+                    self.family.apply(grads, variables, options)
+                else:
+                    deliver(self.family, self.agc, grads, variables, options)
             return
         if weight is None:
             # With `n=1` (above) a weighted mean over one micro-batch is
