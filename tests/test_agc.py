@@ -460,6 +460,7 @@ def test_copies_carry_the_setting_with_variables_as_paths():
         (dict(agc=0.01, agc_exclude=3), TypeError, "`agc_exclude`"),
         (dict(agc=0.01, agc_exclude="mlp/out/kernel"), TypeError, "`agc_exclude`"),
         (dict(agc=0.01, agc_exclude=[1.5]), TypeError, "`agc_exclude`"),
+        (dict(agc_exclude=["out/kernel"]), ValueError, "`agc_exclude`"),
     ],
 )
 def test_bad_arguments(kwargs, error, words):

@@ -91,6 +91,7 @@ def accumulate(
             `optimizer` is not a Keras optimizer.
         ValueError: If `n < 1`, `reduction`, `mode` or `weigh_by` is
             unknown, `agc` or `agc_eps` is not a finite number > 0,
+            `agc_exclude` is given without `agc`,
             `optimizer` already accumulates gradients, or the active Keras
             backend is not TensorFlow.
         TypeError: If `agc`, `agc_eps` or `agc_exclude` has the wrong type.
@@ -103,6 +104,12 @@ def accumulate(
     reduction = check_reduction(reduction)
     mode = check_mode(mode)
     weigh_by = check_weigh_by(weigh_by)
+    if agc is None and agc_exclude is not None:
+        raise ValueError(
+            "`agc_exclude` names variables adaptive gradient clipping leaves "
+            "out, but `agc` is None (clipping is off). Pass `agc=` (for "
+            "example 0.01) or drop `agc_exclude`."
+        )
     clipping = _agc.clipping(check_agc(agc), check_agc_eps(agc_eps), check_agc_exclude(agc_exclude))
     if optimizer is not None:
         return AccumulatingOptimizer(

@@ -305,7 +305,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Args:
             config: The `"config"` part of what `keras.saving.serialize_keras_object`
                 writes for an `AccumulatingOptimizer`: the wrapped optimizer's
-                serialized config, `n`, `reduction` and `mode`.
+                serialized config, `n`, `reduction`, `mode`, `weigh_by` and
+                AGC's `agc`, `agc_eps` and `agc_exclude`.
             custom_objects: Passed on to Keras's deserialization.
 
         Returns:
