@@ -180,8 +180,10 @@ def test_without_accumulation_it_is_keras_layer_bit_for_bit(optimizer):
         assert np.array_equal(a.numpy(), b.numpy())
 
 
-def test_custom_loop_follows_after_follow():
-    x, _ = _data(B * N * 2)
+def test_custom_loop_follows_after_follow_and_flush_applies_the_pool():
+    """Two whole cycles and two micro-batches, then `opt.flush()`: large
+    batches of 16, 16 and 8."""
+    x, _ = _data(B * (2 * N + 2))
     model = make_model()
     opt = accumulate(keras.optimizers.SGD(0.05), N)
     opt.build(model.trainable_variables)
@@ -195,11 +197,20 @@ def test_custom_loop_follows_after_follow():
 
     for start in range(0, len(x), B):
         step(x[start : start + B])
+    before_flush = moving(model)
+    opt.flush()
+    assert float(model.get_layer("bn").pooled_count.numpy()) == 0.0
     reference = keras.layers.BatchNormalization(momentum=MOMENTUM)
     for start in range(0, len(x), B * N):
         reference(x[start : start + B * N], training=True)
-    for r, s in zip((reference.moving_mean, reference.moving_variance), moving(model)):
-        np.testing.assert_allclose(s, r.numpy(), rtol=RTOL, atol=ATOL)
+    for r, s_ in zip((reference.moving_mean, reference.moving_variance), moving(model)):
+        np.testing.assert_allclose(s_, r.numpy(), rtol=RTOL, atol=ATOL)
+    assert not np.array_equal(before_flush[0], moving(model)[0])
+    # A second flush has nothing to apply.
+    after = moving(model)
+    opt.flush()
+    for a, b in zip(after, moving(model)):
+        assert np.array_equal(a, b)
 
 
 def test_keras_file_mid_cycle_resumes_bit_identically():
