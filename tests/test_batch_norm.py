@@ -254,12 +254,15 @@ def test_checkpoint_mid_cycle_resumes_bit_identically():
 
 
 def test_synchronized_under_mirrored_strategy_pools_across_replicas():
-    x, y = _data(B * N * 3)
+    """3 cycles and a partial one of 8 samples, flushed at the end of
+    training from cross-replica context."""
+    x, y = _data(B * N * 3 + 8)
     reference = _large_batch(x, y)
     with mirrored().scope():
         model = make_model(synchronized=True)
         model.compile(optimizer=accumulate(keras.optimizers.SGD(0.05), N), loss="mse")
-    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)  # 2 samples per replica
+    # 2 samples per replica.
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[FlushPartialCycle("train_end")])
     assert_moving_close(reference, model)
 
 
