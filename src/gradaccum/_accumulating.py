@@ -28,6 +28,9 @@ for Keras 3's `keras.Model` and, once `tf_keras` is imported (by its users:
   says otherwise (and so is an accumulating optimizer's own). A loss that a
   custom `train_step` computes is not visible here: pass `reduction="sum"`
   if it sums.
+- `batch_normalization=True`: every `keras.layers.BatchNormalization` the
+  block's thread creates (models built or loaded in the block) is
+  `gradaccum.layers.BatchNormalization` (see `gradaccum._batch_norm`).
 - Nested blocks: the innermost block's `n`, `reduction` and `mode` apply;
   leaving it restores the outer block's.
 - Threads: a block applies to the thread that entered it. `compile` and

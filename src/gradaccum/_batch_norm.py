@@ -87,8 +87,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def build(self, input_shape: Any) -> None:
         super().build(input_shape)
         shape = (input_shape[self.axis],)
-        # "mean": replicas hold the same pool (`synchronized=True`), or their
-        # own, averaged as Keras averages their moving statistics.
+        # Written in replica context, so they need an aggregation; with
+        # `synchronized=True` every replica holds the same pool anyway.
         self.pooled_count = self.add_weight(
             shape=(), name="pooled_count", initializer="zeros", trainable=False,
             autocast=False, aggregation="mean",
@@ -153,14 +153,13 @@ class BatchNormalization(keras.layers.BatchNormalization):
             optimizer.build(model.trainable_variables)
 
     def _count(self, inputs: tf.Tensor, mask: Any) -> tf.Tensor:
-        """The micro-batch's sample count per channel (over all replicas
-        with `synchronized=True`, whose moments are over all of them)."""
-        if mask is None:
-            shape = tf.shape(inputs)
-            count = tf.reduce_prod(tf.gather(shape, list(self._reduction_axes)))
-        else:
-            count = tf.reduce_sum(tf.cast(mask, tf.float32))
-        count = tf.cast(count, tf.float32)
+        """The micro-batch's sample count per channel: over all replicas
+        where Keras's moments are (`synchronized=True` without a mask; with
+        a mask Keras takes each replica's own)."""
+        if mask is not None:
+            return tf.reduce_sum(tf.cast(mask, tf.float32))
+        shape = tf.shape(inputs)
+        count = tf.cast(tf.reduce_prod(tf.gather(shape, list(self._reduction_axes))), tf.float32)
         context = tf.distribute.get_replica_context()
         if self.synchronized and context is not None and context.num_replicas_in_sync > 1:
             count = context.all_reduce(tf.distribute.ReduceOp.SUM, count)
