@@ -13,7 +13,7 @@ import pathlib
 import gradaccum
 
 SOURCE = pathlib.Path(gradaccum.__file__).parent
-PUBLIC_MODULES = {"gradaccum", "gradaccum.callbacks", "gradaccum.demo"}
+PUBLIC_MODULES = {"gradaccum", "gradaccum.callbacks", "gradaccum.demo", "gradaccum.layers"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -105,6 +105,7 @@ def test_public_names():
         "accumulate",
         "accumulating",
         "callbacks",
+        "layers",
     ]
     for name in gradaccum.__all__:
         assert getattr(gradaccum, name) is not None

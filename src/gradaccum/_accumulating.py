@@ -28,6 +28,9 @@ for Keras 3's `keras.Model` and, once `tf_keras` is imported (by its users:
   says otherwise (and so is an accumulating optimizer's own). A loss that a
   custom `train_step` computes is not visible here: pass `reduction="sum"`
   if it sums.
+- `batch_normalization=True`: every `keras.layers.BatchNormalization` the
+  block's thread creates (models built or loaded in the block) is
+  `gradaccum.layers.BatchNormalization` (see `gradaccum._batch_norm`).
 - Nested blocks: the innermost block's `n`, `reduction` and `mode` apply;
   leaving it restores the outer block's.
 - Threads: a block applies to the thread that entered it. `compile` and
@@ -49,7 +52,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import keras
 
-from gradaccum import _patches
+from gradaccum import _batch_norm, _patches
 from gradaccum._api import accumulate
 from gradaccum._proxy import accumulating_in
 from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_sparse
@@ -202,6 +205,7 @@ def accumulating(
     reduction: str | None = None,
     mode: str = "masked",
     sparse: str = "rows",
+    batch_normalization: bool = False,
 ) -> Iterator[None]:
     """Accumulates gradients in the training code run inside the block.
 
@@ -224,6 +228,12 @@ def accumulating(
             custom `train_step` computes).
         mode: `"masked"` or `"skip"`, as for `accumulate()`.
         sparse: `"rows"` or `"slices"`, as for `accumulate()`.
+        batch_normalization: If True, every `keras.layers.BatchNormalization`
+            created in the block (by this thread; also one `load_model`
+            deserializes) is a `gradaccum.layers.BatchNormalization`, whose
+            moving statistics follow the cycle. Layers created before the
+            block stay as they are (see
+            `gradaccum.layers.replace_batch_normalization`).
 
     Yields:
         Nothing; on exit `compile` and `fit` are restored (see the module
@@ -233,7 +243,13 @@ def accumulating(
     Raises:
         TypeError: If `n` is not an int or callable.
         ValueError: If `n < 1`, or `reduction`, `mode` or `sparse` is unknown.
+        TypeError: If `batch_normalization` is not a bool.
     """
+    if not isinstance(batch_normalization, bool):
+        raise TypeError(
+            "`batch_normalization` must be True or False. Received: "
+            f"batch_normalization={batch_normalization!r}."
+        )
     n = check_n_or_schedule(n)
     if reduction is not None:
         reduction = check_reduction(reduction)
@@ -247,7 +263,8 @@ def accumulating(
         stack = _stack()
         stack.append(_Block(n, reduction, mode, sparse))
         try:
-            yield
+            with _batch_norm.replacing() if batch_normalization else contextlib.nullcontext():
+                yield
         finally:
             stack.pop()
     finally:

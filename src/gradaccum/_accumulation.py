@@ -15,15 +15,17 @@ built with the optimizer, and the strategy chosen then
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import tensorflow as tf
 
+from gradaccum._agc import AdaptiveClipping
 from gradaccum._backend import distribution, tensors
 from gradaccum._cycle import CycleLength
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import AccumulationState, State
-from gradaccum._strategies import CycleStrategy, choose
+from gradaccum._strategies import CycleStrategy, choose, deliver
 from gradaccum._validation import check_weight
 
 
@@ -46,6 +48,8 @@ class Accumulation:
             exists (the proxy restores what a checkpoint deferred for it).
         sparse: `"rows"` or `"slices"` (checked): whether `tf.IndexedSlices`
             gradients are added into their rows or kept as slices.
+        agc: Adaptive gradient clipping of every update's gradient
+            (`gradaccum._agc`), or None.
     """
 
     def __init__(
@@ -57,8 +61,10 @@ class Accumulation:
         weigh_by: str,
         on_built: Callable[[tf.Module], None],
         sparse: str = "rows",
+        agc: AdaptiveClipping | None = None,
     ):
         self.family = family
+        self.agc = agc
         self.cycle = CycleLength(n)
         self.reduction = reduction
         self.mode = mode
@@ -77,6 +83,8 @@ class Accumulation:
         self._options: Mapping[str, Any] = {}
         # What waits for the state to exist (`when_built`).
         self._after_build: list[Callable[[], None]] = []
+        # Objects whose own partial cycle `flush()` ends too (`follow`), by id.
+        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------
     # Settings and read-only views.
@@ -151,7 +159,7 @@ class Accumulation:
             self.family, variables, self.cycle.code, self.reduction,
             sparse_slices=self.sparse == "slices",
         )
-        self.strategy = choose(self.mode, state, self.family, self.reduction)
+        self.strategy = choose(self.mode, state, self.family, self.reduction, self.agc)
         with distribution.creation_scope(self.family.strategy()):
             self.cycle.build()
         self.state = state
@@ -259,7 +267,12 @@ class Accumulation:
             # (Once anything was accumulated, with another `n` set before,
             # the accumulating path below finishes that cycle instead.)
             with tf.control_dependencies(self.cycle.hand_over_guard()):
-                self.family.apply(grads, variables, options)
+                if self.agc is None:
+                    # The plain optimizer, bit for bit (its own per-replica
+                    # clipping included).
+                    self.family.apply(grads, variables, options)
+                else:
+                    deliver(self.family, self.agc, grads, variables, options)
             return
         if weight is None:
             # With `n=1` (above) a weighted mean over one micro-batch is
@@ -271,8 +284,18 @@ class Accumulation:
         count = state.micro_step.value() + 1
         self._finish_if(count >= self.current_n(), count)
 
+    def follow(self, follower: Any) -> None:
+        """Makes `flush()` call `follower.flush()` too, while it lives.
+
+        A layer that keeps statistics per cycle (`gradaccum.layers`) ends
+        its partial cycle when the optimizer's ends.
+        """
+        self._followers[id(follower)] = follower
+
     def flush(self) -> None:
         """Applies what the current cycle holds now, if anything."""
+        for follower in list(self._followers.values()):
+            follower.flush()
         state = self.state
         if state is None:
             return

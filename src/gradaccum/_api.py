@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
 
-from gradaccum import _loss_counts, _saving
+from gradaccum import _agc, _loss_counts, _saving
 from gradaccum._loss_scale import LossScaleFront  # noqa: F401  (registers the kind)
 from gradaccum._proxy import AccumulatingOptimizer
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_sparse, check_weigh_by
+from gradaccum._validation import (
+    check_agc,
+    check_agc_eps,
+    check_agc_exclude,
+    check_mode,
+    check_n_or_schedule,
+    check_reduction,
+    check_sparse,
+    check_weigh_by,
+)
 
 
 def accumulate(
@@ -22,6 +31,9 @@ def accumulate(
     mode: str = "masked",
     weigh_by: str = "count",
     sparse: str = "rows",
+    agc: float | None = None,
+    agc_eps: float = 1e-3,
+    agc_exclude: Callable[[Any], bool] | Sequence[Any] | None = None,
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -66,6 +78,20 @@ def accumulate(
             optimizer is not linear in the gradient (Adam's second moment,
             `global_clipnorm`), at the memory of the cycle's slices (see
             the README). One device only; not under XLA.
+        agc: Adaptive gradient clipping's factor λ (Brock et al. 2021), or
+            None (default: off). Each update's gradient (the accumulated
+            mean, once per cycle, summed over replicas and unscaled) is
+            clipped unit-wise: each output unit's gradient norm is capped at
+            `agc * max(||W_unit||, agc_eps)`, before the wrapped optimizer's
+            own `clipnorm`/`global_clipnorm`/`clipvalue`. Works with `n=1`
+            too (plain AGC).
+        agc_eps: The smallest weight norm a cap is computed from (so that
+            units initialised at zero can move), a number > 0.
+        agc_exclude: Variables AGC leaves alone (the paper does not clip the
+            final classifier layer): a predicate `f(variable) -> bool`, or a
+            list of variables and variable paths (`"dense_1/kernel"`; for
+            tf_keras the variable's name). Configs save a list as paths; a
+            predicate is saved as Keras saves a function.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -75,8 +101,11 @@ def accumulate(
         TypeError: If `n` is missing or neither an int nor a callable, or
             `optimizer` is not a Keras optimizer.
         ValueError: If `n < 1`, `reduction`, `mode`, `weigh_by` or `sparse` is
-            unknown, `optimizer` already accumulates gradients, or the active
-            Keras backend is not TensorFlow.
+            unknown, `agc` or `agc_eps` is not a finite number > 0,
+            `agc_exclude` is given without `agc`,
+            `optimizer` already accumulates gradients, or the active Keras
+            backend is not TensorFlow.
+        TypeError: If `agc`, `agc_eps` or `agc_exclude` has the wrong type.
     """
     if n is None:
         raise TypeError(
@@ -87,9 +116,17 @@ def accumulate(
     mode = check_mode(mode)
     weigh_by = check_weigh_by(weigh_by)
     sparse = check_sparse(sparse)
+    if agc is None and agc_exclude is not None:
+        raise ValueError(
+            "`agc_exclude` names variables adaptive gradient clipping leaves "
+            "out, but `agc` is None (clipping is off). Pass `agc=` (for "
+            "example 0.01) or drop `agc_exclude`."
+        )
+    clipping = _agc.clipping(check_agc(agc), check_agc_eps(agc_eps), check_agc_exclude(agc_exclude))
     if optimizer is not None:
         return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse,
+            agc=clipping,
         )
 
     def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,8 +140,13 @@ def accumulate(
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
             return AccumulatingOptimizer(
-                factory(*args, **kwargs), n, reduction=reduction, mode=mode,
-                weigh_by=weigh_by, sparse=sparse,
+                factory(*args, **kwargs),
+                n,
+                reduction=reduction,
+                mode=mode,
+                weigh_by=weigh_by,
+                agc=clipping,
+                sparse=sparse,
             )
 
         return make

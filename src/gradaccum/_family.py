@@ -81,6 +81,10 @@ class OptimizerFamily(Protocol):
         """The optimizer's clipping of a summed gradient, if it clips each
         replica's share before the all-reduce (else None)."""
 
+    def gradient_scale(self) -> Any:
+        """A loss-scale factor the optimizer divides its gradients by first
+        (Keras 3's `loss_scale_factor`), or None."""
+
     @property
     def iterations(self) -> Any:
         """The optimizer's step counter."""
@@ -129,6 +133,9 @@ class FamilyBase:
         return {}
 
     def replica_clip(self) -> Callable[[list[Any]], list[Any]] | None:
+        return None
+
+    def gradient_scale(self) -> Any:
         return None
 
     @property

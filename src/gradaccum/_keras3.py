@@ -79,6 +79,9 @@ class Keras3Family(FamilyBase):
         # `options` is always empty (`apply_options` accepts none).
         self.optimizer.apply(list(grads), list(variables))
 
+    def gradient_scale(self) -> Any:
+        return getattr(self.optimizer, "loss_scale_factor", None)
+
     def replica_clip(self) -> Callable[[list[Any]], list[Any]] | None:
         """Keras 3 clips each replica's share before its all-reduce."""
         names = ("clipnorm", "global_clipnorm", "clipvalue")

@@ -64,7 +64,7 @@ class LossScaleFront(AccumulatingOptimizer):
 
     Args:
         optimizer: The loss-scale optimizer.
-        n, reduction, mode, weigh_by, sparse: As for `AccumulatingOptimizer`.
+        n, reduction, mode, weigh_by, sparse, agc: As for `AccumulatingOptimizer`.
         _adopt: Deserializing: the loss-scale optimizer's inner optimizer,
             if it accumulates already, is the core (it was saved as one).
     """
@@ -83,6 +83,7 @@ class LossScaleFront(AccumulatingOptimizer):
         weigh_by: str = "count",
         sparse: str = "rows",
         *,
+        agc: Any = None,
         _adopt: bool = False,
     ):
         family = _families.family_of(optimizer)
@@ -93,7 +94,7 @@ class LossScaleFront(AccumulatingOptimizer):
             n, reduction, mode = check_n_or_schedule(n), check_reduction(reduction), check_mode(mode)
             core = AccumulatingOptimizer(
                 core, n, reduction=reduction, mode=mode, weigh_by=check_weigh_by(weigh_by),
-                sparse=check_sparse(sparse),
+                sparse=check_sparse(sparse), agc=agc,
             )
             self._install(optimizer, attribute, core)
         super().__init__(optimizer, family, accumulation_of(core))

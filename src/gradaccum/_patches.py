@@ -16,7 +16,13 @@ The patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
 - Keras's `Trainer.compute_loss`, for good, and, while it computes the loss
   of a model whose optimizer accumulates, `Loss.__call__` and Keras's
   `reduce_weighted_values` (`SharedPatch`), to record what each loss divides
-  its micro-batch by (see `gradaccum._loss_counts`).
+  its micro-batch by (see `gradaccum._loss_counts`);
+- Keras's `Trainer.compile` and `TensorFlowTrainer.make_train_function`, for
+  good, so that a model's `gradaccum.layers.BatchNormalization` layers
+  follow its optimizer's cycle, and the `__new__` of Keras's
+  `BatchNormalization`, for good, which creates gradaccum's layer instead
+  only inside `gradaccum.accumulating(..., batch_normalization=True)` (see
+  `gradaccum._batch_norm`).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import wrapt
 
 from gradaccum import _backend, _families, _saving
 from gradaccum._accumulation import Accumulation
+from gradaccum._agc import AdaptiveClipping
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import CHILD, AccumulationState, State, check_saved_settings, read_store
 from gradaccum._validation import (
@@ -83,6 +84,9 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             `"slices"` keeps the cycle's slices and hands the optimizer all
             of them as one `tf.IndexedSlices`, as the large batch would
             (see `gradaccum.accumulate`).
+        agc: Adaptive gradient clipping of each update's gradient (made by
+            `accumulate()` from its `agc`, `agc_eps` and `agc_exclude`), or
+            None.
 
     Raises:
         TypeError: If `optimizer` is not a Keras optimizer or `n` is neither
@@ -160,6 +164,24 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     def sparse(self) -> str:
         """`"rows"` or `"slices"`: how `tf.IndexedSlices` gradients are kept."""
         return self._self_accumulation.sparse
+
+    @property
+    def agc(self) -> float | None:
+        """Adaptive gradient clipping's factor λ, or None (off)."""
+        agc = self._self_accumulation.agc
+        return None if agc is None else agc.clip_factor
+
+    @property
+    def agc_eps(self) -> float:
+        """The smallest weight norm an AGC cap is computed from."""
+        agc = self._self_accumulation.agc
+        return 1e-3 if agc is None else agc.eps
+
+    @property
+    def agc_exclude(self) -> Any:
+        """What AGC leaves out: None, a predicate, or variables and names."""
+        agc = self._self_accumulation.agc
+        return None if agc is None else agc.exclude
 
     @property
     def micro_step(self) -> tf.Tensor:
@@ -293,7 +315,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Args:
             config: The `"config"` part of what `keras.saving.serialize_keras_object`
                 writes for an `AccumulatingOptimizer`: the wrapped optimizer's
-                serialized config, `n`, `reduction` and `mode`.
+                serialized config, `n`, `reduction`, `mode`, `weigh_by` and
+                AGC's `agc`, `agc_eps` and `agc_exclude`.
             custom_objects: Passed on to Keras's deserialization.
 
         Returns:
@@ -302,10 +325,10 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Raises:
             ValueError: If `config` lacks `optimizer` or `n`.
         """
-        optimizer, n, reduction, mode, weigh_by, sparse = _saving.arguments(config, custom_objects)
+        optimizer, n, reduction, mode, weigh_by, sparse, agc = _saving.arguments(config, custom_objects)
         return AccumulatingOptimizer(
             optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse,
-            _adopt=True,
+            agc=agc, _adopt=True,
         )
 
     # ------------------------------------------------------------------
@@ -319,24 +342,36 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     # rate if it was not. A proxy's copy is a new proxy, with the same `n`,
     # `reduction` and `mode`, around what Keras makes of the wrapped
     # optimizer; like the slots, a built proxy's accumulators are not copied.
-    # (`weigh_by` and `sparse` travel too.)
+    # (`weigh_by`, `sparse` and AGC's settings travel too; variables AGC
+    # leaves out travel as their paths.)
     # A loss-scale optimizer's copy holds a copy of the accumulating inner
     # optimizer (serialized as itself), which the new front adopts.
 
     @classmethod
     def _rebuilt(
-        cls, optimizer: Any, n: Any, reduction: str, mode: str, weigh_by: str = "count",
+        cls,
+        optimizer: Any,
+        n: Any,
+        reduction: str,
+        mode: str,
+        weigh_by: str = "count",
         sparse: str = "rows",
+        agc: AdaptiveClipping | None = None,
     ) -> AccumulatingOptimizer:
         return AccumulatingOptimizer(
             optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse,
-            _adopt=True,
+            agc=agc, _adopt=True,
         )
+
+    def _portable_agc(self) -> AdaptiveClipping | None:
+        agc = self._self_accumulation.agc
+        return None if agc is None else agc.portable()
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         return (
             AccumulatingOptimizer._rebuilt,
-            (self.__wrapped__, self.n, self.reduction, self.mode, self.weigh_by, self.sparse),
+            (self.__wrapped__, self.n, self.reduction, self.mode, self.weigh_by, self.sparse,
+             self._portable_agc()),
         )
 
     def __reduce__(self) -> tuple:
@@ -344,8 +379,13 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     def __copy__(self) -> AccumulatingOptimizer:
         return self._rebuilt(
-            copy.copy(self.__wrapped__), self.n, self.reduction, self.mode, self.weigh_by,
+            copy.copy(self.__wrapped__),
+            self.n,
+            self.reduction,
+            self.mode,
+            self.weigh_by,
             self.sparse,
+            self._portable_agc(),
         )
 
     def __deepcopy__(self, memo: dict) -> AccumulatingOptimizer:
@@ -356,6 +396,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             self.mode,
             self.weigh_by,
             self.sparse,
+            self._portable_agc(),
         )
 
     def __repr__(self) -> str:
@@ -442,6 +483,7 @@ class _Core(AccumulatingOptimizer):
         weigh_by: str = "count",
         sparse: str = "rows",
         *,
+        agc: AdaptiveClipping | None = None,
         _adopt: bool = False,
     ):
         family = wrappable_family(optimizer)
@@ -453,6 +495,7 @@ class _Core(AccumulatingOptimizer):
             check_weigh_by(weigh_by),
             on_built=self._restore_deferred,
             sparse=check_sparse(sparse),
+            agc=agc,
         )
         super().__init__(optimizer, family, accumulation)
         if family.built:

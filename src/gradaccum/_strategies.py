@@ -40,6 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from gradaccum._agc import AdaptiveClipping
 from gradaccum._backend import distribution, tensors, updates
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import State
@@ -57,12 +58,20 @@ class CycleStrategy:
     # Whether a dense micro-gradient is added into a new tensor.
     into_new = False
 
-    def __init__(self, state: State, family: OptimizerFamily, reduction: str):
+    def __init__(
+        self,
+        state: State,
+        family: OptimizerFamily,
+        reduction: str,
+        agc: AdaptiveClipping | None = None,
+    ):
         self.state = state
         self.family = family
         self.reduction = reduction
         # `sparse="slices"`: `tf.IndexedSlices` are kept, not added into rows.
         self.keeps_slices = state.sparse_slices
+        # Adaptive gradient clipping of each whole update, or None.
+        self.agc = agc
         # Whether any micro-batch was given a weight (decided while tracing).
         self.weighted = False
 
@@ -160,16 +169,44 @@ class CycleStrategy:
         return out
 
     def apply(self, values: Sequence[tf.Tensor], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
-        """The wrapped optimizer's update with the accumulated `values`.
-
-        Under several replicas, where the optimizer clips each replica's
-        share, clips what one device training on the large batch would clip.
-        """
+        """The wrapped optimizer's update with the accumulated `values`."""
         grads = [tf.cast(g, tf.as_dtype(v.dtype)) for g, v in zip(values, variables)]
-        clip = self.family.replica_clip()
-        if clip is not None and distribution.replicas_in_sync() > 1:
-            grads = distribution.clip_as_one_device(grads, clip)
-        self.family.apply(grads, variables, options)
+        deliver(self.family, self.agc, grads, variables, options)
+
+
+def deliver(
+    family: OptimizerFamily,
+    agc: AdaptiveClipping | None,
+    grads: Sequence[Any],
+    variables: Sequence[Any],
+    options: Mapping[str, Any],
+) -> None:
+    """Hands a whole update's gradients to the wrapped optimizer.
+
+    Clips them first as one device training on the large batch would: AGC
+    (if set) on the gradient summed over replicas, then, under several
+    replicas where the optimizer would clip each replica's share, its own
+    clipping of that sum (see `distribution.clip_as_one_device`). Used for
+    the accumulated mean, and with `n=1` for the gradients as they come.
+    """
+    grads = list(grads)
+    replicas = distribution.replicas_in_sync()
+    clip = family.replica_clip() if replicas > 1 else None
+    if agc is None and clip is None:
+        family.apply(grads, variables, options)
+        return
+    scale = family.gradient_scale()
+
+    def clip_sum(summed: list[Any]) -> list[Any]:
+        if agc is not None:
+            summed = agc.clip(summed, variables, scale)
+        return summed if clip is None else clip(summed)
+
+    if replicas > 1:
+        grads = distribution.clip_as_one_device(grads, clip_sum)
+    else:
+        grads = clip_sum(grads)
+    family.apply(grads, variables, options)
 
 
 def _refuse_mixed(variable: Any) -> None:
@@ -252,8 +289,14 @@ class SkippedIntoNew(CycleStrategy):
 
     into_new = True
 
-    def __init__(self, state: State, family: OptimizerFamily, reduction: str):
-        super().__init__(state, family, reduction)
+    def __init__(
+        self,
+        state: State,
+        family: OptimizerFamily,
+        reduction: str,
+        agc: AdaptiveClipping | None = None,
+    ):
+        super().__init__(state, family, reduction, agc)
         with distribution.creation_scope(family.strategy()):
             self._zeros = tensors.zero_buffers(state.accumulators)
 
@@ -282,10 +325,16 @@ class SkippedIntoNew(CycleStrategy):
         tensors.clear_slices_if(keep_new, self.state.kept_buffers(included))
 
 
-def choose(mode: str, state: State, family: OptimizerFamily, reduction: str) -> CycleStrategy:
+def choose(
+    mode: str,
+    state: State,
+    family: OptimizerFamily,
+    reduction: str,
+    agc: AdaptiveClipping | None = None,
+) -> CycleStrategy:
     """The strategy for `mode` on this optimizer (see the module docstring)."""
     if mode == "masked":
-        return Masked(state, family, reduction)
+        return Masked(state, family, reduction, agc)
     if not family.grows and all(tensors.shares_zeros(a) for a in state.accumulators):
-        return SkippedIntoNew(state, family, reduction)
-    return Skipped(state, family, reduction)
+        return SkippedIntoNew(state, family, reduction, agc)
+    return Skipped(state, family, reduction, agc)

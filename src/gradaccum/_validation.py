@@ -107,3 +107,54 @@ def check_weight(weight: Any) -> Any:
             f"`weight` must be a scalar. Received a tensor of shape {shape}."
         )
     return weight
+
+
+def _positive_number(value: Any, name: str, meaning: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a finite number > 0 ({meaning}). "
+            f"Received: {name}={value!r} of type {type(value).__name__}."
+        )
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(
+            f"`{name}` must be a finite number > 0 ({meaning}). Received: {name}={value!r}."
+        )
+    return float(value)
+
+
+def check_agc(agc: Any) -> float | None:
+    """Returns the AGC clip factor (None: off), or raises."""
+    if agc is None:
+        return None
+    return _positive_number(
+        agc, "agc", "the adaptive clipping factor, for example 0.01; None turns it off"
+    )
+
+
+def check_agc_eps(eps: Any) -> float:
+    """Returns AGC's smallest weight norm, or raises."""
+    return _positive_number(eps, "agc_eps", "the smallest weight norm a unit's cap is taken from")
+
+
+def check_agc_exclude(exclude: Any) -> Any:
+    """Returns None, a predicate, or a tuple of variables and names, else raises."""
+    if exclude is None or (callable(exclude) and not hasattr(exclude, "shape")):
+        return exclude
+    expected = (
+        "`agc_exclude` must be None, a predicate `f(variable) -> bool`, or a "
+        "list of variables and variable paths (strings)."
+    )
+    if isinstance(exclude, (str, bytes)) or hasattr(exclude, "shape"):
+        raise TypeError(f"{expected} Received: {exclude!r} of type {type(exclude).__name__}.")
+    try:
+        entries = tuple(exclude)
+    except TypeError:
+        raise TypeError(
+            f"{expected} Received: {exclude!r} of type {type(exclude).__name__}."
+        ) from None
+    for entry in entries:
+        if not isinstance(entry, str) and not hasattr(entry, "shape"):
+            raise TypeError(
+                f"{expected} Received an entry {entry!r} of type {type(entry).__name__}."
+            )
+    return entries

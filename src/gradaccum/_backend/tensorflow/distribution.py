@@ -197,8 +197,21 @@ def clip_as_one_device(grads: list[Any], clip: Callable[[list[Any]], list[Any]])
     one more all-reduce per step.
     """
     replicas = replicas_in_sync()
-    clipped = clip(sum_over_replicas(grads))
-    return [g / replicas for g in clipped]
+    # `None` gradients (possible with `n=1`, where gradients come as they
+    # are) take no part in the all-reduce and stay `None`.
+    present = [k for k, g in enumerate(grads) if g is not None]
+    summed = list(grads)
+    for k, g in zip(present, sum_over_replicas([grads[k] for k in present])):
+        summed[k] = g
+    return [_divided(g, replicas) for g in clip(summed)]
+
+
+def _divided(grad: Any, replicas: int) -> Any:
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / replicas, grad.indices, grad.dense_shape)
+    return grad / replicas
 
 
 def assign_each(
