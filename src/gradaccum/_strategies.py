@@ -183,12 +183,16 @@ class Masked(CycleStrategy):
         # with their moving averages, gradient or not.
         tracked = family.state_variables()
         tracked += [family.model_variable(v) for v in self.state.variables]
+        per_variable = None
+        if family.per_variable_update is not None:
+            per_variable = (family.optimizer, family.per_variable_update)
         updates.masked_update(
             family.strategy(),
             keep_new,
             tracked,
             lambda: self.apply(_read(accumulators), variables, options),
             masks_writes=family.masks_writes,
+            per_variable=per_variable,
         )
         tensors.zero_if(keep_new, cleared, after=written)
 
