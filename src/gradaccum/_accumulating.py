@@ -52,7 +52,7 @@ import keras
 from gradaccum import _patches
 from gradaccum._api import accumulate
 from gradaccum._proxy import accumulating_in
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_sparse
 
 _local = threading.local()
 
@@ -61,6 +61,7 @@ class _Block(NamedTuple):
     n: Any
     reduction: str | None  # None: follow the compiled loss
     mode: str
+    sparse: str = "rows"
 
 
 def _stack() -> list[_Block]:
@@ -141,7 +142,8 @@ def _compile_wrapper(get_optimizer: Callable[[Any], Any]) -> _patches.Wrapper:
             accumulating = accumulating_in(optimizer)
             if accumulating is None:
                 bound.arguments["optimizer"] = accumulate(
-                    get_optimizer(optimizer), block.n, reduction=_reduction(block, loss), mode=block.mode
+                    get_optimizer(optimizer), block.n, reduction=_reduction(block, loss), mode=block.mode,
+                    sparse=block.sparse,
                 )
             else:
                 _check_matches(accumulating.reduction, _loss_reductions(loss), "the optimizer has")
@@ -163,7 +165,9 @@ def _accumulate_compiled(model: Any, block: _Block) -> None:
     if optimizer is None or accumulating_in(optimizer) is not None:
         return  # not compiled (fit itself says so), or accumulating already
     loss = getattr(model, "loss", None)
-    model.optimizer = accumulate(optimizer, block.n, reduction=_reduction(block, loss), mode=block.mode)
+    model.optimizer = accumulate(
+        optimizer, block.n, reduction=_reduction(block, loss), mode=block.mode, sparse=block.sparse
+    )
     # The compiled train function applies the old optimizer's update.
     model.make_train_function(force=True)
     # Both Keras 3 and tf_keras keep `compile`'s arguments here for
@@ -193,7 +197,11 @@ _PATCHES = (
 
 @contextlib.contextmanager
 def accumulating(
-    n: int | Callable[..., Any], *, reduction: str | None = None, mode: str = "masked"
+    n: int | Callable[..., Any],
+    *,
+    reduction: str | None = None,
+    mode: str = "masked",
+    sparse: str = "rows",
 ) -> Iterator[None]:
     """Accumulates gradients in the training code run inside the block.
 
@@ -215,6 +223,7 @@ def accumulating(
             loss summed over the batch that `compile` does not see (one a
             custom `train_step` computes).
         mode: `"masked"` or `"skip"`, as for `accumulate()`.
+        sparse: `"rows"` or `"slices"`, as for `accumulate()`.
 
     Yields:
         Nothing; on exit `compile` and `fit` are restored (see the module
@@ -223,19 +232,20 @@ def accumulating(
 
     Raises:
         TypeError: If `n` is not an int or callable.
-        ValueError: If `n < 1`, or `reduction` or `mode` is unknown.
+        ValueError: If `n < 1`, or `reduction`, `mode` or `sparse` is unknown.
     """
     n = check_n_or_schedule(n)
     if reduction is not None:
         reduction = check_reduction(reduction)
     mode = check_mode(mode)
+    sparse = check_sparse(sparse)
     acquired = []
     try:
         for patch in _PATCHES:
             patch.acquire()
             acquired.append(patch)
         stack = _stack()
-        stack.append(_Block(n, reduction, mode))
+        stack.append(_Block(n, reduction, mode, sparse))
         try:
             yield
         finally:

@@ -44,6 +44,8 @@ class Accumulation:
             `count_next` (see `gradaccum._loss_counts`) or 1.
         on_built: Called with the state's checkpoint module once the state
             exists (the proxy restores what a checkpoint deferred for it).
+        sparse: `"rows"` or `"slices"` (checked): whether `tf.IndexedSlices`
+            gradients are added into their rows or kept as slices.
     """
 
     def __init__(
@@ -54,12 +56,14 @@ class Accumulation:
         mode: str,
         weigh_by: str,
         on_built: Callable[[tf.Module], None],
+        sparse: str = "rows",
     ):
         self.family = family
         self.cycle = CycleLength(n)
         self.reduction = reduction
         self.mode = mode
         self.weigh_by = weigh_by
+        self.sparse = sparse
         self.state: State | None = None
         self.strategy: CycleStrategy | None = None
         self._on_built = on_built
@@ -107,6 +111,7 @@ class Accumulation:
             micro_step=tf.identity(state.micro_step),
             weight_total=tf.identity(state.weight_total),
             zero_buffers=self.strategy.zero_buffers,
+            kept_slices=state.all_kept(),
         )
 
     # ------------------------------------------------------------------
@@ -136,7 +141,16 @@ class Accumulation:
             self._after_build.append(callback)
 
     def _build_state(self, variables: list[Any]) -> None:
-        state = State(self.family, variables, self.cycle.code, self.reduction)
+        if self.sparse == "slices" and self.family.strategy().num_replicas_in_sync > 1:
+            raise ValueError(
+                "sparse=\"slices\" works on one device only: under a "
+                "distribution strategy with more than one replica use "
+                "sparse=\"rows\" (the default)."
+            )
+        state = State(
+            self.family, variables, self.cycle.code, self.reduction,
+            sparse_slices=self.sparse == "slices",
+        )
         self.strategy = choose(self.mode, state, self.family, self.reduction)
         with distribution.creation_scope(self.family.strategy()):
             self.cycle.build()

@@ -11,7 +11,7 @@ import tensorflow as tf
 from gradaccum import _loss_counts, _saving
 from gradaccum._loss_scale import LossScaleFront  # noqa: F401  (registers the kind)
 from gradaccum._proxy import AccumulatingOptimizer
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_weigh_by
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_sparse, check_weigh_by
 
 
 def accumulate(
@@ -21,6 +21,7 @@ def accumulate(
     reduction: str = "mean",
     mode: str = "masked",
     weigh_by: str = "count",
+    sparse: str = "rows",
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -56,6 +57,15 @@ def accumulate(
             (see the README for several losses). `"batch"`: 1, every
             micro-batch alike (Keras's per-batch means, averaged). A
             `weight` passed to `apply_gradients` wins over either.
+        sparse: How `tf.IndexedSlices` gradients (an `Embedding`'s) are
+            accumulated. `"rows"` (default) adds them into a dense
+            accumulator, summing a row's repeated occurrences.
+            `"slices"` keeps the cycle's slices (values and indices) and
+            hands the optimizer one `tf.IndexedSlices` of all of them, as
+            the large batch would: exact also where rows repeat and the
+            optimizer is not linear in the gradient (Adam's second moment,
+            `global_clipnorm`), at the memory of the cycle's slices (see
+            the README). One device only; not under XLA.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -64,7 +74,7 @@ def accumulate(
     Raises:
         TypeError: If `n` is missing or neither an int nor a callable, or
             `optimizer` is not a Keras optimizer.
-        ValueError: If `n < 1`, `reduction`, `mode` or `weigh_by` is
+        ValueError: If `n < 1`, `reduction`, `mode`, `weigh_by` or `sparse` is
             unknown, `optimizer` already accumulates gradients, or the active
             Keras backend is not TensorFlow.
     """
@@ -76,9 +86,10 @@ def accumulate(
     reduction = check_reduction(reduction)
     mode = check_mode(mode)
     weigh_by = check_weigh_by(weigh_by)
+    sparse = check_sparse(sparse)
     if optimizer is not None:
         return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse
         )
 
     def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,7 +103,8 @@ def accumulate(
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
             return AccumulatingOptimizer(
-                factory(*args, **kwargs), n, reduction=reduction, mode=mode, weigh_by=weigh_by
+                factory(*args, **kwargs), n, reduction=reduction, mode=mode,
+                weigh_by=weigh_by, sparse=sparse,
             )
 
         return make

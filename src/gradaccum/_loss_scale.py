@@ -31,7 +31,7 @@ import wrapt
 from gradaccum import _families, _patches
 from gradaccum._proxy import AccumulatingOptimizer, accumulation_of, register_kind, wrappable_family
 from gradaccum._state import read_store
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_weigh_by
+from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_sparse, check_weigh_by
 
 
 class _UncountedIterations(wrapt.ObjectProxy):
@@ -64,7 +64,7 @@ class LossScaleFront(AccumulatingOptimizer):
 
     Args:
         optimizer: The loss-scale optimizer.
-        n, reduction, mode, weigh_by: As for `AccumulatingOptimizer`.
+        n, reduction, mode, weigh_by, sparse: As for `AccumulatingOptimizer`.
         _adopt: Deserializing: the loss-scale optimizer's inner optimizer,
             if it accumulates already, is the core (it was saved as one).
     """
@@ -81,6 +81,7 @@ class LossScaleFront(AccumulatingOptimizer):
         reduction: str = "mean",
         mode: str = "masked",
         weigh_by: str = "count",
+        sparse: str = "rows",
         *,
         _adopt: bool = False,
     ):
@@ -91,7 +92,8 @@ class LossScaleFront(AccumulatingOptimizer):
             family = wrappable_family(optimizer)
             n, reduction, mode = check_n_or_schedule(n), check_reduction(reduction), check_mode(mode)
             core = AccumulatingOptimizer(
-                core, n, reduction=reduction, mode=mode, weigh_by=check_weigh_by(weigh_by)
+                core, n, reduction=reduction, mode=mode, weigh_by=check_weigh_by(weigh_by),
+                sparse=check_sparse(sparse),
             )
             self._install(optimizer, attribute, core)
         super().__init__(optimizer, family, accumulation_of(core))

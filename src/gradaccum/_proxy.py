@@ -34,6 +34,7 @@ from gradaccum._validation import (
     check_n,
     check_n_or_schedule,
     check_reduction,
+    check_sparse,
     check_weigh_by,
 )
 
@@ -78,11 +79,15 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             update is the mean over every entry of the cycle, as on the
             large batch; `"batch"` weighs every micro-batch alike. An
             explicit `weight` passed to `apply_gradients` wins either way.
+        sparse: `"rows"` adds `tf.IndexedSlices` gradients into their rows;
+            `"slices"` keeps the cycle's slices and hands the optimizer all
+            of them as one `tf.IndexedSlices`, as the large batch would
+            (see `gradaccum.accumulate`).
 
     Raises:
         TypeError: If `optimizer` is not a Keras optimizer or `n` is neither
             an int nor a callable.
-        ValueError: If `n < 1`, `reduction`, `mode` or `weigh_by` is
+        ValueError: If `n < 1`, `reduction`, `mode`, `weigh_by` or `sparse` is
             unknown, `optimizer` already accumulates gradients, or the active
             Keras backend is not TensorFlow.
     """
@@ -150,6 +155,11 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     def weigh_by(self) -> str:
         """`"count"` or `"batch"`: what a `model.fit` micro-batch weighs."""
         return self._self_accumulation.weigh_by
+
+    @property
+    def sparse(self) -> str:
+        """`"rows"` or `"slices"`: how `tf.IndexedSlices` gradients are kept."""
+        return self._self_accumulation.sparse
 
     @property
     def micro_step(self) -> tf.Tensor:
@@ -292,9 +302,10 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         Raises:
             ValueError: If `config` lacks `optimizer` or `n`.
         """
-        optimizer, n, reduction, mode, weigh_by = _saving.arguments(config, custom_objects)
+        optimizer, n, reduction, mode, weigh_by, sparse = _saving.arguments(config, custom_objects)
         return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, _adopt=True
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse,
+            _adopt=True,
         )
 
     # ------------------------------------------------------------------
@@ -308,22 +319,24 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
     # rate if it was not. A proxy's copy is a new proxy, with the same `n`,
     # `reduction` and `mode`, around what Keras makes of the wrapped
     # optimizer; like the slots, a built proxy's accumulators are not copied.
-    # (`weigh_by` travels too.)
+    # (`weigh_by` and `sparse` travel too.)
     # A loss-scale optimizer's copy holds a copy of the accumulating inner
     # optimizer (serialized as itself), which the new front adopts.
 
     @classmethod
     def _rebuilt(
-        cls, optimizer: Any, n: Any, reduction: str, mode: str, weigh_by: str = "count"
+        cls, optimizer: Any, n: Any, reduction: str, mode: str, weigh_by: str = "count",
+        sparse: str = "rows",
     ) -> AccumulatingOptimizer:
         return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, _adopt=True
+            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse,
+            _adopt=True,
         )
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         return (
             AccumulatingOptimizer._rebuilt,
-            (self.__wrapped__, self.n, self.reduction, self.mode, self.weigh_by),
+            (self.__wrapped__, self.n, self.reduction, self.mode, self.weigh_by, self.sparse),
         )
 
     def __reduce__(self) -> tuple:
@@ -331,7 +344,8 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     def __copy__(self) -> AccumulatingOptimizer:
         return self._rebuilt(
-            copy.copy(self.__wrapped__), self.n, self.reduction, self.mode, self.weigh_by
+            copy.copy(self.__wrapped__), self.n, self.reduction, self.mode, self.weigh_by,
+            self.sparse,
         )
 
     def __deepcopy__(self, memo: dict) -> AccumulatingOptimizer:
@@ -341,6 +355,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             self.reduction,
             self.mode,
             self.weigh_by,
+            self.sparse,
         )
 
     def __repr__(self) -> str:
@@ -350,6 +365,7 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
         return (
             f"<AccumulatingOptimizer n={self.n} "
             f"reduction={self.reduction!r} mode={self.mode!r} weigh_by={self.weigh_by!r} "
+            f"sparse={self.sparse!r} "
             f"micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
@@ -424,6 +440,7 @@ class _Core(AccumulatingOptimizer):
         reduction: str = "mean",
         mode: str = "masked",
         weigh_by: str = "count",
+        sparse: str = "rows",
         *,
         _adopt: bool = False,
     ):
@@ -435,6 +452,7 @@ class _Core(AccumulatingOptimizer):
             check_mode(mode),
             check_weigh_by(weigh_by),
             on_built=self._restore_deferred,
+            sparse=check_sparse(sparse),
         )
         super().__init__(optimizer, family, accumulation)
         if family.built:

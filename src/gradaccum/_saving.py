@@ -4,7 +4,7 @@ Keras serializes an object by its `__class__`, which a proxy reports as the
 wrapped optimizer's. `register` therefore makes Keras's
 `serialize_keras_object` write an `AccumulatingOptimizer` as itself: a config
 with the wrapped optimizer's serialized config, `n`, `reduction`, `mode` and
-`weigh_by`,
+`weigh_by` and `sparse`,
 under the registered name `gradaccum>AccumulatingOptimizer`, so that
 `load_model` needs no `custom_objects` once `gradaccum` is imported, under
 `safe_mode=True` too. `opt.get_config()` is still the wrapped optimizer's.
@@ -35,6 +35,7 @@ def config_of(proxy: Any) -> dict:
         "reduction": proxy.reduction,
         "mode": proxy.mode,
         "weigh_by": proxy.weigh_by,
+        "sparse": proxy.sparse,
     }
     return {
         "module": "gradaccum",
@@ -44,9 +45,10 @@ def config_of(proxy: Any) -> dict:
     }
 
 
-def arguments(config: dict, custom_objects: Any = None) -> tuple[Any, Any, str, str, str]:
-    """`(optimizer, n, reduction, mode, weigh_by)` from a config `config_of`
-    wrote (one written before `weigh_by` existed gets its default).
+def arguments(config: dict, custom_objects: Any = None) -> tuple[Any, Any, str, str, str, str]:
+    """`(optimizer, n, reduction, mode, weigh_by, sparse)` from a config
+    `config_of` wrote (one written before `weigh_by` or `sparse` existed
+    gets its default).
 
     Raises:
         ValueError: If `config` lacks `optimizer` or `n`.
@@ -69,6 +71,7 @@ def arguments(config: dict, custom_objects: Any = None) -> tuple[Any, Any, str, 
         config.get("reduction", "mean"),
         config.get("mode", "masked"),
         config.get("weigh_by", "count"),
+        config.get("sparse", "rows"),
     )
 
 

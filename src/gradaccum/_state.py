@@ -10,8 +10,10 @@ Persistence. TensorFlow checkpoints (`tf.train.Checkpoint`,
 `BackupAndRestore`, SavedModel) reach the state through `State.module`, a
 `tf.Module` that the proxy adds to the wrapped optimizer's children as
 `gradient_accumulation`: the accumulators, the micro-step counter, the
-weight total, and as tensors the `n`/`reduction` the state was written with
-and which variables take part; a checkpoint matches accumulators by position.
+weight total, the kept slices (`sparse="slices"`, by variable position,
+restored when they are created again), and as tensors the `n`/`reduction`
+the state was written with and which variables take part; a checkpoint
+matches accumulators by position.
 Keras files (`.keras`, `.weights.h5`) reach it through `save`/`load`, under
 `gradaccum_*` keys beside the wrapped optimizer's own, with each
 accumulator's variable named (`gradaccum_names`), so that a model that lists
@@ -54,6 +56,11 @@ class AccumulationState(NamedTuple):
         zero_buffers: Skip mode's shared vectors of zeros, by dtype, that
             the accumulators are pointed at after each update (empty where
             the mode keeps none; see `mode`).
+        kept_slices: With `sparse="slices"`, the current cycle's
+            `tf.IndexedSlices` of each variable that received them, by its
+            position in `variables`: a `(values, indices)` pair of
+            variables whose first dimension grows by each micro-step's
+            slice count (their `accumulators` entry stays zero).
     """
 
     variables: tuple[Any, ...]
@@ -61,6 +68,7 @@ class AccumulationState(NamedTuple):
     micro_step: tf.Tensor
     weight_total: tf.Tensor
     zero_buffers: dict[tf.DType, tf.Variable]
+    kept_slices: dict[int, tuple[tf.Variable, tf.Variable]] = {}
 
 
 def _name(variable: Any) -> str:
@@ -158,6 +166,12 @@ class _Checkpointed(tf.Module):
         self.accumulators = accumulators
         self.micro_step = micro_step
         self.weight_total = weight_total
+        # With `sparse="slices"`: the cycle's kept slices, by the position
+        # of their variable (as a string), created when it first receives
+        # `tf.IndexedSlices`. A checkpoint restores them when they are
+        # created again (TensorFlow defers what it cannot restore yet).
+        self.kept_values: dict[str, tf.Variable] = {}
+        self.kept_indices: dict[str, tf.Variable] = {}
         self._state = state
 
     # Written beside the variables; checked when read back. Which variables
@@ -203,10 +217,20 @@ class State:
         n_code: What checkpoints record as `n` (0 for a schedule); the
             owner updates it when `n` changes.
         reduction: `"mean"` or `"sum"`, recorded the same way.
+        sparse_slices: Whether `tf.IndexedSlices` gradients are kept as
+            slices (`sparse="slices"`) rather than added into their rows.
     """
 
-    def __init__(self, family: OptimizerFamily, variables: Sequence[Any], n_code: int, reduction: str):
+    def __init__(
+        self,
+        family: OptimizerFamily,
+        variables: Sequence[Any],
+        n_code: int,
+        reduction: str,
+        sparse_slices: bool = False,
+    ):
         self._family = family
+        self.sparse_slices = sparse_slices
         self.variables: list[Any] = list(variables)
         self._index = {family.var_key(v): i for i, v in enumerate(self.variables)}
         self.n_code = n_code
@@ -246,6 +270,59 @@ class State:
             )
             for v in variables
         ]
+
+    # ------------------------------------------------------------------
+    # Kept slices (`sparse="slices"`).
+
+    def keeps_slices(self, index: int) -> bool:
+        """Whether variable `index` has buffers of kept slices."""
+        return str(index) in self.module.kept_values
+
+    def slice_buffers(self, index: int) -> tuple[tf.Variable, tf.Variable]:
+        """The (values, indices) buffers of variable `index`, created empty
+        (eagerly, also while a step is traced) when first asked for."""
+        key = str(index)
+        module = self.module
+        if key not in module.kept_values:
+            variable = self.variables[index]
+            self._check_no_row_sums(index)
+            with distribution.creation_scope(self._family.strategy()):
+                values, indices = tensors.slice_buffers(
+                    variable, self._family.model_variable(variable)
+                )
+            module.kept_values[key] = values
+            module.kept_indices[key] = indices
+        return module.kept_values[key], module.kept_indices[key]
+
+    def _check_no_row_sums(self, index: int) -> None:
+        """Refuses to keep slices for a variable whose accumulator holds sums.
+
+        Read once, eagerly, when its buffers are created: sums there come
+        from dense gradients earlier in the cycle, or from a partial cycle
+        restored from state written with `sparse="rows"`. The update would
+        hand over the slices alone and leave those sums out.
+        """
+        with tf.init_scope():
+            held = bool(
+                tf.reduce_any(tf.not_equal(tf.convert_to_tensor(self.accumulators[index]), 0)).numpy()
+            )
+        if held:
+            raise ValueError(
+                f"With sparse=\"slices\", variable {_name(self.variables[index])!r} "
+                "received tf.IndexedSlices while its accumulator holds a partial "
+                "cycle's row sums (dense gradients earlier in the cycle, or a "
+                "partial cycle restored from state saved with sparse=\"rows\"), "
+                "which the update would leave out. Finish or `flush()` that cycle "
+                "with sparse=\"rows\" first."
+            )
+
+    def all_kept(self) -> dict[int, tuple[tf.Variable, tf.Variable]]:
+        """Every variable's slice buffers, by its position."""
+        return {int(key): self.slice_buffers(int(key)) for key in self.module.kept_values}
+
+    def kept_buffers(self, indices: Sequence[int]) -> list[tuple[tf.Variable, tf.Variable]]:
+        """The slice buffers of those of `indices` that have them."""
+        return [self.slice_buffers(i) for i in indices if self.keeps_slices(i)]
 
     # ------------------------------------------------------------------
     # Variables and their index.
@@ -388,6 +465,10 @@ class State:
             else:
                 value = np.asarray(acc.numpy())
             store[f"{KEY}accumulator_{i}"] = value
+            if self.keeps_slices(i):
+                values, indices = self.slice_buffers(i)
+                store[f"{KEY}kept_values_{i}"] = np.asarray(values.numpy())
+                store[f"{KEY}kept_indices_{i}"] = np.asarray(indices.numpy())
 
     def load(self, store: Any) -> None:
         """Reads what `save` wrote (or an older store without `names`).
@@ -439,9 +520,28 @@ class State:
                     f"{tuple(acc.shape)}: the state was saved for another model."
                 )
             values.append(value)
+        kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for i, j in enumerate(source):
+            if f"{KEY}kept_values_{j}" in store.keys():
+                kept[i] = (
+                    np.asarray(store[f"{KEY}kept_values_{j}"]),
+                    np.asarray(store[f"{KEY}kept_indices_{j}"], dtype=np.int64),
+                )
         for i, (acc, value) in enumerate(zip(self.accumulators, values)):
+            if i in kept and not self.sparse_slices:
+                # Kept slices loaded where rows are accumulated: their rows' sums.
+                value = value.copy()
+                np.add.at(value, kept[i][1], kept[i][0].astype(value.dtype))
             # A maximum is every replica's; a sum is split among them.
             acc.assign(value if self.keeps_maximum(i) else distribution.per_replica_share(value))
+        if self.sparse_slices:
+            for i in range(len(self.accumulators)):
+                if i in kept:
+                    buffers = self.slice_buffers(i)
+                    for buffer, value in zip(buffers, kept[i]):
+                        buffer.assign(value.astype(buffer.dtype.as_numpy_dtype), read_value=False)
+                elif self.keeps_slices(i):
+                    tensors.clear_slices([self.slice_buffers(i)])
         self.micro_step.assign(int(np.asarray(store[f"{KEY}micro_step"])))
         if f"{KEY}seen" in store.keys():
             saved_seen = np.asarray(store[f"{KEY}seen"])

@@ -61,6 +61,8 @@ class CycleStrategy:
         self.state = state
         self.family = family
         self.reduction = reduction
+        # `sparse="slices"`: `tf.IndexedSlices` are kept, not added into rows.
+        self.keeps_slices = state.sparse_slices
         # Whether any micro-batch was given a weight (decided while tracing).
         self.weighted = False
 
@@ -82,7 +84,11 @@ class CycleStrategy:
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
                 tensors.max_into(state.accumulators[i], g)
+            elif self.keeps_slices and isinstance(g, tf.IndexedSlices):
+                tensors.append_slices(*state.slice_buffers(i), g, weight)
             else:
+                if self.keeps_slices and state.keeps_slices(i):
+                    _refuse_mixed(state.variables[i])
                 tensors.add_into(state.accumulators[i], g, weight, self.into_new)
             state.take_part(i)
         state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
@@ -141,6 +147,18 @@ class CycleStrategy:
         written = [self.family.model_variable(v) for v in variables]
         return accumulators, divided, variables, written, accumulators + [state.weight_total]
 
+    def with_slices(self, values: list[Any], included: list[int], divisor: Any) -> list[Any]:
+        """`values`, with each variable's that keeps slices replaced by its
+        cycle's slices divided by `divisor` (a tensor, or None): one
+        `tf.IndexedSlices`, as the large batch would hand the optimizer."""
+        state = self.state
+        out = list(values)
+        for k, i in enumerate(included):
+            if state.keeps_slices(i):
+                kept = state.slice_buffers(i)
+                out[k] = tensors.kept_slices(*kept, state.variables[i].shape, divisor)
+        return out
+
     def apply(self, values: Sequence[tf.Tensor], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
         """The wrapped optimizer's update with the accumulated `values`.
 
@@ -152,6 +170,16 @@ class CycleStrategy:
         if clip is not None and distribution.replicas_in_sync() > 1:
             grads = distribution.clip_as_one_device(grads, clip)
         self.family.apply(grads, variables, options)
+
+
+def _refuse_mixed(variable: Any) -> None:
+    name = getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
+    raise ValueError(
+        f"With sparse=\"slices\", variable {name!r} received a dense gradient "
+        "after tf.IndexedSlices: a variable's gradients must be of one kind "
+        "(each traced step decides it). Use sparse=\"rows\" (the default), "
+        "which adds both kinds into one accumulator."
+    )
 
 
 def _read(accumulators: Sequence[tf.Variable]) -> list[tf.Tensor]:
@@ -190,11 +218,16 @@ class Masked(CycleStrategy):
             family.strategy(),
             keep_new,
             tracked,
-            lambda: self.apply(_read(accumulators), variables, options),
+            lambda: self.apply(
+                self.with_slices(_read(accumulators), included, divisor and divisor()),
+                variables,
+                options,
+            ),
             masks_writes=family.masks_writes,
             per_variable=per_variable,
         )
         tensors.zero_if(keep_new, cleared, after=written)
+        tensors.clear_slices_if(keep_new, self.state.kept_buffers(included))
 
 
 class Skipped(CycleStrategy):
@@ -208,9 +241,11 @@ class Skipped(CycleStrategy):
             divisor = self.divisor()
             if divisor is not None:
                 tensors.divide_in_place(divided, divisor())
-            self.apply(_read(accumulators), variables, options)
+            values = self.with_slices(_read(accumulators), included, divisor and divisor())
+            self.apply(values, variables, options)
             # `keep_new` is True here: its negation is a run-time zero.
             tensors.zero(cleared, tf.logical_not(keep_new), after=written)
+            tensors.clear_slices(self.state.kept_buffers(included))
 
         # `keep_new` as an argument: it is a per-replica input.
         updates.skipped_update(keep_new, apply_and_clear, keep_new)
@@ -244,10 +279,11 @@ class SkippedIntoNew(CycleStrategy):
                 sums = [v for v, m in zip(values, maxima) if not m]
                 quotients = iter(tensors.quotients(sums, divisor) if sums else [])
                 values = [v if m else next(quotients) for v, m in zip(values, maxima)]
-            self.apply(values, variables, options)
+            self.apply(self.with_slices(values, included, divisor), variables, options)
 
         updates.skipped_update(keep_new, apply_sums, *inputs)
         tensors.cleared_if(keep_new, cleared, self._zeros)
+        tensors.clear_slices_if(keep_new, self.state.kept_buffers(included))
 
 
 def choose(mode: str, state: State, family: OptimizerFamily, reduction: str) -> CycleStrategy:

@@ -8,6 +8,7 @@ from typing import Any
 REDUCTIONS = ("mean", "sum")
 MODES = ("masked", "skip")
 WEIGHINGS = ("count", "batch")
+SPARSE = ("rows", "slices")
 
 
 def check_n(n: Any) -> int:
@@ -54,6 +55,22 @@ def check_weigh_by(weigh_by: Any) -> str:
             f"Received: weigh_by={weigh_by!r}."
         )
     return weigh_by
+
+
+def check_sparse(sparse: Any) -> str:
+    """Returns `sparse`, or raises if it is not one of `SPARSE`."""
+    if not isinstance(sparse, str):
+        raise TypeError(
+            f"`sparse` must be a string, one of {SPARSE}. "
+            f"Received: sparse={sparse!r} of type {type(sparse).__name__}."
+        )
+    if sparse not in SPARSE:
+        raise ValueError(
+            f"`sparse` must be one of {SPARSE}: \"rows\" adds `tf.IndexedSlices` "
+            "gradients into their rows, \"slices\" keeps the cycle's slices "
+            f"as the large batch has them. Received: sparse={sparse!r}."
+        )
+    return sparse
 
 
 def check_n_or_schedule(n: Any) -> int | Any:

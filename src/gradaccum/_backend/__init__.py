@@ -10,9 +10,11 @@ modules, imported here under fixed names:
   (`creation_scope`), running code in cross-replica context
   (`in_cross_replica`), all-reduces (`sum_over_replicas`,
   `clip_as_one_device`) and the checks that refuse unsound set-ups.
-- `tensors`: adding a gradient into an accumulator (`add_into`), branch-free
-  choice (`select`), the end of a cycle (`divide_if`, `zero_if`,
-  `quotients`, `zero_buffers`, `cleared_if`), each written for its cost.
+- `tensors`: adding a gradient into an accumulator (`add_into`), or keeping
+  its slices (`slice_buffers`, `append_slices`, `kept_slices`,
+  `clear_slices_if`), branch-free choice (`select`), the end of a cycle
+  (`divide_if`, `zero_if`, `quotients`, `zero_buffers`, `cleared_if`), each
+  written for its cost.
 - `updates`: running the wrapped optimizer's update so that its effect is
   kept only on apply steps: `masked_update` (every micro-step runs it; no
   branch encloses it) and `skipped_update` (it runs only on apply steps,

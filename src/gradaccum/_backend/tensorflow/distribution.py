@@ -43,8 +43,14 @@ def creation_scope(strategy: tf.distribute.Strategy) -> Iterator[None]:
                 yield
 
 
-def replica_local(initial: tf.Tensor, name: str, colocate_with: Any = None) -> tf.Variable:
-    """A variable each replica updates on its own; reads sum over replicas."""
+def replica_local(
+    initial: tf.Tensor, name: str, colocate_with: Any = None, shape: Any = None
+) -> tf.Variable:
+    """A variable each replica updates on its own; reads sum over replicas.
+
+    `shape`, if given, may leave dimensions unknown: the variable then
+    takes values of any compatible shape.
+    """
     strategy = tf.distribute.get_strategy()
     ctx = (
         strategy.extended.colocate_vars_with(colocate_with)
@@ -55,6 +61,7 @@ def replica_local(initial: tf.Tensor, name: str, colocate_with: Any = None) -> t
         return tf.Variable(
             initial,
             name=name,
+            shape=shape,
             trainable=False,
             synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.SUM,

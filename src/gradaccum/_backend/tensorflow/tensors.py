@@ -97,6 +97,86 @@ def add_into(accumulator: tf.Variable, grad: Any, weight: Any, into_new: bool) -
         accumulator.assign_add(grad)
 
 
+def slice_buffers(variable: Any, colocate_with: Any) -> tuple[tf.Variable, tf.Variable]:
+    """Empty buffers for a cycle's `tf.IndexedSlices` of `variable`: values
+    (rows of the variable's shape, accumulator dtype) and int64 indices.
+
+    Their first dimension is left unknown: each micro-step appends its
+    slices (`append_slices`). Create inside `distribution.creation_scope`.
+    """
+    row = list(variable.shape)[1:]
+    values = replica_local(
+        tf.zeros([0] + row, dtype=accumulator_dtype(variable)),
+        name="kept_values",
+        colocate_with=colocate_with,
+        shape=tf.TensorShape([None] + row),
+    )
+    indices = replica_local(
+        tf.zeros([0], dtype=tf.int64),
+        name="kept_indices",
+        colocate_with=colocate_with,
+        shape=tf.TensorShape([None]),
+    )
+    return values, indices
+
+
+def compiled_by_xla() -> bool:
+    """Whether the code being traced now is compiled by XLA (`jit_compile`)."""
+    if tf.executing_eagerly():
+        return False
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def append_slices(values: tf.Variable, indices: tf.Variable, grad: tf.IndexedSlices, weight: Any) -> None:
+    """Appends `weight * grad` (or `grad`) to the buffers `slice_buffers` made.
+
+    Repeated rows stay separate, as the optimizer would see them in one
+    large batch. Each append allocates the grown buffer once (the old one
+    is freed when the assignment replaces it).
+
+    Raises:
+        ValueError: Under XLA, which cannot change a variable's shape.
+    """
+    if compiled_by_xla():
+        raise ValueError(
+            "sparse=\"slices\" keeps a cycle's slices in buffers that grow on "
+            "every micro-step, which XLA cannot compile (`jit_compile=True`). "
+            "Compile without XLA, or use sparse=\"rows\" (the default)."
+        )
+    new = tf.cast(grad.values, values.dtype)
+    if weight is not None:
+        new = new * tf.cast(weight, values.dtype)
+    values.assign(tf.concat([values.value(), new], axis=0), read_value=False)
+    indices.assign(
+        tf.concat([indices.value(), tf.cast(grad.indices, tf.int64)], axis=0),
+        read_value=False,
+    )
+
+
+def kept_slices(values: tf.Variable, indices: tf.Variable, dense_shape: Any, divisor: Any) -> tf.IndexedSlices:
+    """The kept slices as one `tf.IndexedSlices`, their values divided by the
+    scalar `divisor` (or as they are, for None)."""
+    v = values.read_value()
+    if divisor is not None:
+        v = v / tf.cast(divisor, v.dtype)
+    return tf.IndexedSlices(v, indices.read_value(), tf.constant([int(d) for d in dense_shape], dtype=tf.int64))
+
+
+def clear_slices(buffers: Sequence[tuple[tf.Variable, tf.Variable]]) -> None:
+    """Empties each pair of slice buffers."""
+    for values, indices in buffers:
+        values.assign(tf.zeros([0] + list(values.shape)[1:], values.dtype), read_value=False)
+        indices.assign(tf.zeros([0], tf.int64), read_value=False)
+
+
+def clear_slices_if(keep_new: tf.Tensor, buffers: Sequence[tuple[tf.Variable, tf.Variable]]) -> None:
+    """`clear_slices` if `keep_new` (a `tf.cond` that synchronises nothing)."""
+    if buffers:
+        tf.cond(keep_new, lambda: clear_slices(buffers), nothing)
+
+
 def max_into(accumulator: tf.Variable, value: Any) -> None:
     """Sets `accumulator` to the elementwise maximum of itself and `value`."""
     value = tf.cast(tf.convert_to_tensor(value), accumulator.dtype)
