@@ -120,15 +120,6 @@ def slice_buffers(variable: Any, colocate_with: Any) -> tuple[tf.Variable, tf.Va
     return values, indices
 
 
-def compiled_by_xla() -> bool:
-    """Whether the code being traced now is compiled by XLA (`jit_compile`)."""
-    if tf.executing_eagerly():
-        return False
-    from tensorflow.python.ops import control_flow_util
-
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
-
-
 def append_slices(values: tf.Variable, indices: tf.Variable, grad: tf.IndexedSlices, weight: Any) -> None:
     """Appends `weight * grad` (or `grad`) to the buffers `slice_buffers` made.
 
