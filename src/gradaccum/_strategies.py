@@ -77,6 +77,9 @@ class CycleStrategy:
         if weight is not None:
             self.weighted = True
             weight = tf.cast(weight, tf.float32)
+        # Where the accumulators are cleared by pointing them at zeros, the
+        # first micro-step's gradients become their buffers (`add_into`).
+        first = tf.equal(state.micro_step.value(), 0) if self.into_new else None
         for g, i in zip(grads, indices):
             if g is None:
                 continue
@@ -89,7 +92,7 @@ class CycleStrategy:
             else:
                 if self.keeps_slices and state.keeps_slices(i):
                     _refuse_mixed(state.variables[i])
-                tensors.add_into(state.accumulators[i], g, weight, self.into_new)
+                tensors.add_into(state.accumulators[i], g, weight, self.into_new, first)
             state.take_part(i)
         state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
 

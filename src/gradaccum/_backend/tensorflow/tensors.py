@@ -64,7 +64,13 @@ def accumulator_dtype(variable: Any) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
-def add_into(accumulator: tf.Variable, grad: Any, weight: Any, into_new: bool) -> None:
+def add_into(
+    accumulator: tf.Variable,
+    grad: Any,
+    weight: Any,
+    into_new: bool,
+    first: tf.Tensor | None = None,
+) -> None:
     """Adds `weight * grad` (or `grad`, for `weight=None`) to `accumulator`.
 
     A `tf.IndexedSlices` gradient is scattered into this replica's copy. A
@@ -72,6 +78,18 @@ def add_into(accumulator: tf.Variable, grad: Any, weight: Any, into_new: bool) -
     new tensor that then becomes the accumulator's buffer (the path through
     memory Keras's own `gradient_accumulation_steps` takes; see
     `gradaccum._strategies`).
+
+    Args:
+        accumulator: A replica-local variable.
+        grad: A dense tensor or `tf.IndexedSlices`.
+        weight: A scalar, or None.
+        into_new: See above.
+        first: With `into_new`, a scalar boolean tensor: this is the
+            cycle's first micro-step, on which the accumulator reads zeros
+            (it shares a zero vector, see `cleared_if`), so a dense
+            gradient becomes its new buffer instead: no pass over the
+            zeros, and no copy of the shared vector that writing into it
+            in place would make first.
     """
     w = None if weight is None else tf.cast(weight, accumulator.dtype)
     if isinstance(grad, tf.IndexedSlices):
@@ -82,19 +100,36 @@ def add_into(accumulator: tf.Variable, grad: Any, weight: Any, into_new: bool) -
         )
         return
     grad = tf.cast(grad, accumulator.dtype)
-    if w is not None:
-        # `acc -= (-w) * grad`, in place, in one fused pass: `fit` weighs
-        # every micro-batch by its loss count, and `grad * w` would be a
-        # pass over the gradient of its own (as costly as the add). The
-        # result is bit for bit that of `acc + grad * w` (negation is exact,
-        # and the kernel does not contract into a fused multiply-add).
-        tf.raw_ops.ResourceApplyGradientDescent(
-            var=local_copy(accumulator).handle, alpha=-w, delta=grad
-        )
-    elif into_new:
-        accumulator.assign(accumulator.value() + grad, read_value=False)
-    else:
-        accumulator.assign_add(grad)
+
+    def add() -> None:
+        if w is not None:
+            # `acc -= (-w) * grad`, in place, in one fused pass: `fit` weighs
+            # every micro-batch by its loss count, and `grad * w` would be a
+            # pass over the gradient of its own (as costly as the add). The
+            # result is bit for bit that of `acc + grad * w` (negation is
+            # exact, and the kernel does not contract into a fused
+            # multiply-add).
+            tf.raw_ops.ResourceApplyGradientDescent(
+                var=local_copy(accumulator).handle, alpha=-w, delta=grad
+            )
+        elif into_new:
+            accumulator.assign(accumulator.value() + grad, read_value=False)
+        else:
+            accumulator.assign_add(grad)
+
+    if not (into_new and first is not None):
+        add()
+        return
+
+    def overwrite() -> None:
+        accumulator.assign(grad if w is None else grad * w, read_value=False)
+
+    if compiled_by_xla():
+        # Fused into one pass (see `compiled_by_xla`).
+        new = grad if w is None else grad * w
+        accumulator.assign(select(first, new, accumulator.value() + new), read_value=False)
+        return
+    tf.cond(first, overwrite, add)
 
 
 def slice_buffers(variable: Any, colocate_with: Any) -> tuple[tf.Variable, tf.Variable]:
