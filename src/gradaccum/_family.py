@@ -27,6 +27,11 @@ class OptimizerFamily(Protocol):
     # variable's write method, so that the masked update can mask each write
     # instead of snapshotting all state (see `gradaccum._backend`).
     masks_writes: ClassVar[bool]
+    # With `masks_writes`: the name of the optimizer's method that updates
+    # one variable and synchronises nothing, which the masked update then
+    # runs only on apply steps (see `gradaccum._backend`); None if it has
+    # none such.
+    per_variable_update: ClassVar[str | None]
     # Whether the optimizer creates its per-variable state lazily, so that a
     # gradient for a variable it was not built for extends the accumulation
     # state (`grow`) instead of being refused.
@@ -103,6 +108,7 @@ class FamilyBase:
 
     name: ClassVar[str] = "?"
     masks_writes: ClassVar[bool] = False
+    per_variable_update: ClassVar[str | None] = None
     grows: ClassVar[bool] = False
     skips_count_in_inner: ClassVar[bool] = False
 

@@ -18,6 +18,8 @@ class Keras3Family(FamilyBase):
     # Every state change of a Keras 3 optimizer is a write method call on a
     # TensorFlow variable (see `OptimizerFamily.masks_writes`).
     masks_writes = True
+    # Runs per variable inside `extended.update`, after the all-reduce.
+    per_variable_update = "update_step"
 
     @classmethod
     def accepts(cls, optimizer: Any) -> bool:

@@ -86,6 +86,9 @@ class CycleStrategy:
         if weight is not None:
             self.weighted = True
             weight = tf.cast(weight, tf.float32)
+        # Where the accumulators are cleared by pointing them at zeros, the
+        # first micro-step's gradients become their buffers (`add_into`).
+        first = tf.equal(state.micro_step.value(), 0) if self.into_new else None
         for g, i in zip(grads, indices):
             if g is None:
                 continue
@@ -98,7 +101,7 @@ class CycleStrategy:
             else:
                 if self.keeps_slices and state.keeps_slices(i):
                     _refuse_mixed(state.variables[i])
-                tensors.add_into(state.accumulators[i], g, weight, self.into_new)
+                tensors.add_into(state.accumulators[i], g, weight, self.into_new, first)
             state.take_part(i)
         state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
 
@@ -248,6 +251,9 @@ class Masked(CycleStrategy):
         # with their moving averages, gradient or not.
         tracked = family.state_variables()
         tracked += [family.model_variable(v) for v in self.state.variables]
+        per_variable = None
+        if family.per_variable_update is not None:
+            per_variable = (family.optimizer, family.per_variable_update)
         updates.masked_update(
             family.strategy(),
             keep_new,
@@ -258,6 +264,7 @@ class Masked(CycleStrategy):
                 options,
             ),
             masks_writes=family.masks_writes,
+            per_variable=per_variable,
         )
         tensors.zero_if(keep_new, cleared, after=written)
         tensors.clear_slices_if(keep_new, self.state.kept_buffers(included))

@@ -15,7 +15,13 @@ family (`masks_writes`):
   the update runs, each of those writes to a tracked variable happens only
   if `keep_new`: `tf.cond(keep_new, write, nothing)` around that one write,
   whose value is computed unconditionally. Nothing is copied ahead of the
-  update, and an in-between step writes nothing.
+  update, and an in-between step writes nothing. Where the optimizer has a
+  method that updates one variable and synchronises nothing (Keras 3's
+  `update_step`, which runs per variable after the all-reduce, inside
+  `extended.update`), that method runs only if `keep_new`
+  (`skipping_each`): an in-between step skips the update's arithmetic, the
+  bulk of its cost, while everything around it that may synchronise
+  (all-reduce, clipping, merge calls) still runs on every micro-step.
 - Snapshot and select (`snapshot_update`), for optimizers that write through
   fused kernels on raw variable handles: the values of every tracked
   variable are read before the update and selected after it. This keeps one
@@ -57,6 +63,7 @@ def masked_update(
     state: Sequence[tf.Variable],
     update: Callable[[], Any],
     masks_writes: bool = False,
+    per_variable: tuple[Any, str] | None = None,
 ) -> None:
     """Runs `update()`, then keeps its effect on `state` only if `keep_new`.
 
@@ -69,9 +76,15 @@ def masked_update(
         masks_writes: Whether every write `update` makes goes through a
             variable's write methods, so each write can be masked where it
             happens (no copy of `state`). Otherwise `state` is snapshotted.
+        per_variable: With `masks_writes`, `(optimizer, name)` of the
+            optimizer's method that updates one variable and synchronises
+            nothing; it runs only if `keep_new` (see `skipping_each`).
     """
     if masks_writes:
-        with masking_writes(state, keep_new):
+        skipping = contextlib.nullcontext()
+        if per_variable is not None:
+            skipping = skipping_each(*per_variable, keep_new)
+        with masking_writes(state, keep_new), skipping:
             update()
     else:
         snapshot_update(strategy, keep_new, state, update)
@@ -171,7 +184,20 @@ WRITES = (
 )
 
 
-class _WriteMask:
+class _Mask:
+    """Patches that make calls take effect only if `keep_new`, shared by
+    every replica thread that masks the same object (see `_shared`)."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self._patches: list[_patches.Patch] = []
+
+    def remove(self) -> None:
+        for patch in self._patches:
+            patch.remove()
+
+
+class _WriteMask(_Mask):
     """The write methods of one TensorFlow variable, masked by `keep_new`.
 
     A masked write is `tf.cond(keep_new, write, nothing)`. The branch holds
@@ -182,7 +208,7 @@ class _WriteMask:
     """
 
     def __init__(self, variable: tf.Variable, keep_new: tf.Tensor):
-        self.users = 0
+        super().__init__()
 
         def masked_write(write: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
             def run() -> None:
@@ -197,18 +223,55 @@ class _WriteMask:
             if hasattr(variable, name)
         ]
 
-    def remove(self) -> None:
-        for patch in self._patches:
-            patch.remove()
+
+class _CallMask(_Mask):
+    """One method of an object, run only if `keep_new` (its result dropped).
+
+    The method must synchronise nothing: the branch is taken per replica
+    (or per device, inside `extended.update`).
+    """
+
+    def __init__(self, owner: Any, name: str, keep_new: tf.Tensor):
+        super().__init__()
+
+        def only_if_kept(method: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> None:
+            def run() -> None:
+                method(*args, **kwargs)
+
+            tf.cond(keep_new, run, nothing)
+
+        self._patches = [_patches.Patch(owner, name, only_if_kept)]
 
 
-# Variables whose write methods are masked now, by id. Under
-# `MirroredStrategy` every replica thread masks the same variables and the
-# optimizer writes them from a `merge_call` in yet another thread, so the
-# masks are shared and counted; every replica's `keep_new` has the same
-# value, so the first one serves all.
-MASKS: dict[int, _WriteMask] = {}
+# What is masked now, by the id of the masked object. Under
+# `MirroredStrategy` every replica thread masks the same variables (and the
+# same optimizer) and the optimizer writes them from a `merge_call` in yet
+# another thread, so the masks are shared and counted; every replica's
+# `keep_new` has the same value, so the first one serves all.
+MASKS: dict[int, _Mask] = {}
 _MASKS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _shared(objects: Sequence[Any], make: Callable[[Any], _Mask]) -> Iterator[None]:
+    """Within the block, each of `objects` is masked by `make(object)`, or by
+    the mask another thread made for it and still holds."""
+    with _MASKS_LOCK:
+        for o in objects:
+            mask = MASKS.get(id(o))
+            if mask is None:
+                mask = MASKS[id(o)] = make(o)
+            mask.users += 1
+    try:
+        yield
+    finally:
+        with _MASKS_LOCK:
+            for o in objects:
+                mask = MASKS[id(o)]
+                mask.users -= 1
+                if mask.users == 0:
+                    mask.remove()
+                    del MASKS[id(o)]
 
 
 def _leaf_variables(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
@@ -222,28 +285,26 @@ def _leaf_variables(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
     return _unique(leaves)
 
 
-@contextlib.contextmanager
-def masking_writes(variables: Sequence[tf.Variable], keep_new: tf.Tensor) -> Iterator[None]:
+def masking_writes(variables: Sequence[tf.Variable], keep_new: tf.Tensor) -> contextlib.AbstractContextManager:
     """Within the block, writes to `variables` take effect only if `keep_new`.
 
     Args:
         variables: TensorFlow variables (plain or distributed).
         keep_new: Scalar boolean tensor.
     """
-    leaves = _leaf_variables(variables)
-    with _MASKS_LOCK:
-        for v in leaves:
-            mask = MASKS.get(id(v))
-            if mask is None:
-                mask = MASKS[id(v)] = _WriteMask(v, keep_new)
-            mask.users += 1
-    try:
-        yield
-    finally:
-        with _MASKS_LOCK:
-            for v in leaves:
-                mask = MASKS[id(v)]
-                mask.users -= 1
-                if mask.users == 0:
-                    mask.remove()
-                    del MASKS[id(v)]
+    return _shared(_leaf_variables(variables), lambda v: _WriteMask(v, keep_new))
+
+
+def skipping_each(owner: Any, name: str, keep_new: tf.Tensor) -> contextlib.AbstractContextManager:
+    """Within the block, calls of `owner.name` run only if `keep_new`.
+
+    On an in-between step nothing of the method runs: its arithmetic is
+    skipped, not only its writes. That is sound only for a method that
+    synchronises nothing, such as Keras 3's `update_step`.
+
+    Args:
+        owner: The object whose method is masked (an optimizer).
+        name: The method's name.
+        keep_new: Scalar boolean tensor.
+    """
+    return _shared([owner], lambda o: _CallMask(o, name, keep_new))
