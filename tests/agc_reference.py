@@ -7,6 +7,8 @@ and `my_clip` in the NFNets repository), independently of
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
 
@@ -30,3 +32,39 @@ def np_agc(g: np.ndarray, w: np.ndarray, factor: float, eps: float):
     clipped = g * (max_norm / np.maximum(grad_norm, 1e-6))
     out = np.where(trigger, g, clipped).astype(np.float32)
     return out, int(np.sum(~trigger)), int(np.sum(trigger))
+
+
+def train_clipped(
+    model: Any,
+    optimizer: Any,
+    loss_fn: Callable[[Any, Any], Any],
+    x: np.ndarray,
+    y: np.ndarray,
+    batch: int,
+    factor: float,
+    eps: float,
+    exclude: Callable[[Any], bool] = lambda v: False,
+) -> tuple[int, int]:
+    """Trains the plain `optimizer` on batches of `batch` in order, each
+    gradient clipped by `np_agc` (variables `exclude` names left as they
+    are). Works for Keras 3 and tf_keras alike.
+
+    Returns `(units clipped, units left)` over all steps.
+    """
+    import tensorflow as tf
+
+    clipped = left = 0
+    for start in range(0, len(x), batch):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[start : start + batch], model(x[start : start + batch], training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        new = []
+        for g, v in zip(grads, model.trainable_variables):
+            if exclude(v):
+                new.append(g)
+                continue
+            c, k, m = np_agc(tf.convert_to_tensor(g).numpy(), v.numpy(), factor, eps)
+            clipped, left = clipped + k, left + m
+            new.append(tf.constant(c))
+        optimizer.apply_gradients(zip(new, model.trainable_variables))
+    return clipped, left

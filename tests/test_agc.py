@@ -20,7 +20,7 @@ import tensorflow as tf
 
 import gradaccum
 from gradaccum import accumulate
-from tests.agc_reference import np_agc, np_unit_norm
+from tests.agc_reference import np_agc, np_unit_norm, train_clipped
 from tests.support import (
     ATOL,
     MODES,
@@ -73,21 +73,9 @@ def reference(make_model, make_optimizer, x, y, batch, exclude=lambda v: False, 
     """
     model, opt = make_model(), make_optimizer()
     opt.build(model.trainable_variables)
-    loss_fn = keras.losses.MeanSquaredError()
-    clipped = left = 0
-    for start in range(0, len(x), batch):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y[start : start + batch], model(x[start : start + batch], training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        new = []
-        for g, v in zip(grads, model.trainable_variables):
-            if exclude(v):
-                new.append(g)
-                continue
-            c, k, m = np_agc(tf.convert_to_tensor(g).numpy(), v.numpy(), factor, EPS)
-            clipped, left = clipped + k, left + m
-            new.append(c)
-        opt.apply_gradients(zip(new, model.trainable_variables))
+    clipped, left = train_clipped(
+        model, opt, keras.losses.MeanSquaredError(), x, y, batch, factor, EPS, exclude
+    )
     return full_state(model, opt), clipped, left
 
 

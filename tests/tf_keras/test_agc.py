@@ -7,11 +7,10 @@ the subject is `accumulate(optimizer, n, agc=...)` on micro-batches of `B`.
 
 import numpy as np
 import pytest
-import tensorflow as tf
 import tf_keras
 
 from gradaccum import accumulate
-from tests.agc_reference import np_agc
+from tests.agc_reference import train_clipped
 from tests.support import MODES, mirrored
 from tests.tf_keras.support import assert_states_close, full_state, make_data, make_mlp
 
@@ -31,21 +30,9 @@ def _is_out(v) -> bool:
 
 def reference(make, x, y, batch, exclude=lambda v: False):
     model, opt = make_mlp(), make()
-    loss_fn = tf_keras.losses.MeanSquaredError()
-    clipped = left = 0
-    for start in range(0, len(x), batch):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y[start : start + batch], model(x[start : start + batch], training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
-        new = []
-        for g, v in zip(grads, model.trainable_variables):
-            if exclude(v):
-                new.append(g)
-                continue
-            c, k, m = np_agc(g.numpy(), v.numpy(), FACTOR, EPS)
-            clipped, left = clipped + k, left + m
-            new.append(tf.constant(c))
-        opt.apply_gradients(zip(new, model.trainable_variables))
+    clipped, left = train_clipped(
+        model, opt, tf_keras.losses.MeanSquaredError(), x, y, batch, FACTOR, EPS, exclude
+    )
     assert clipped > 0 and left > 0, (clipped, left)
     return full_state(model, opt)
 
