@@ -11,8 +11,9 @@ The patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
 - Keras's `LossScaleOptimizer.load_own_variables`, for good, so that one
   around an accumulating optimizer keeps a file loaded before its build
   (see `gradaccum._loss_scale`);
-- the write methods of TensorFlow variables, for the duration of one masked
-  update (see `gradaccum._backend.tensorflow.updates`);
+- the write methods of TensorFlow variables, and a Keras 3 optimizer's
+  `update_step`, for the duration of one masked update (see
+  `gradaccum._backend.tensorflow.updates`);
 - Keras's `Trainer.compute_loss`, for good, and, while it computes the loss
   of a model whose optimizer accumulates, `Loss.__call__` and Keras's
   `reduce_weighted_values` (`SharedPatch`), to record what each loss divides
