@@ -144,9 +144,11 @@ def run_child(kind: str, rounds: int) -> dict:
             for _ in range(2 * steps):  # trace, then one untimed cycle
                 step()
         except Exception as e:  # noqa: BLE001 - reported, not hidden
-            # TensorFlow puts the cause on the message's last line.
+            # A traced error's message starts with the traceback; keep the
+            # line that names the cause.
             lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            errors[variant] = f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
+            causes = [line for line in lines if "Error" in line or "merge_call" in line]
+            errors[variant] = f"{type(e).__name__}: {(causes or lines or [''])[0][:300]}"
             continue
         runs[variant] = (step, steps)
     names = list(runs)
