@@ -55,12 +55,15 @@ def accumulate(
             mean or sum.
         mode: `"masked"` (default) runs the wrapped optimizer's update on
             every micro-step and keeps its result only on the apply step,
-            with no branch around it: every micro-step runs the same
-            operations, including the optimizer's replica synchronisation.
+            with no branch around anything that synchronises replicas:
+            every micro-step runs the optimizer's all-reduce, clipping and
+            merge calls (a Keras 3 optimizer's per-variable arithmetic, which
+            synchronises nothing, runs only on the apply step).
             `"skip"` runs the update only on the apply step (a `tf.cond`
             decided in cross-replica context, so it works under
             `MirroredStrategy`): in-between micro-steps cost only the
-            accumulation. Both give the same result.
+            accumulation, and replicas all-reduce once per cycle. Both give
+            the same result; see "Which mode when" in the README.
         weigh_by: What a micro-batch of `model.fit` weighs in the mean.
             `"count"` (default): the count Keras's loss divided it by (its
             valid entries under a mask, its sum of sample weights for
