@@ -11,7 +11,7 @@ from gradaccum import callbacks, layers
 from gradaccum._accumulating import accumulating
 from gradaccum._api import accumulate
 from gradaccum._proxy import AccumulatingOptimizer
-from gradaccum._state import AccumulationState
+from gradaccum._view import AccumulationState
 
 __all__ = [
     "AccumulatingOptimizer",

@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import tensorflow as tf
 
 from gradaccum._agc import AdaptiveClipping
-from gradaccum._backend import distribution, tensors
+from gradaccum._backend.tensorflow import distribution, tensors
 from gradaccum._cycle import CycleLength
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import AccumulationState, State
 from gradaccum._strategies import CycleStrategy, choose, deliver
-from gradaccum._validation import check_weight
+from gradaccum._validation import check_weight, check_weight_value
 
 
 def _name(variable: Any, default: str) -> str:
@@ -96,6 +96,11 @@ class Accumulation:
 
     def current_n(self) -> tf.Tensor:
         return self.cycle.current(self.family.iterations)
+
+    def own_variables(self) -> list[Any]:
+        """Empty here: TensorFlow's state is tracked by checkpoints, not
+        listed in the optimizer's `variables` (see the portable core)."""
+        return []
 
     @property
     def built(self) -> bool:
@@ -227,6 +232,9 @@ class Accumulation:
         """
         self._options = options
         weight = check_weight(weight)
+        if weight is not None and not isinstance(weight, float) and tf.executing_eagerly():
+            # A tensor's value is known eagerly (traced, it cannot be checked).
+            check_weight_value(float(weight))
         if weight is None:
             weight, self._handed_weight = self._handed_weight, None
         # An explicit weight wins over the loss's count; taken either way,

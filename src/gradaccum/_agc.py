@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import tensorflow as tf
+import keras
+from keras import ops
 
 # What keeps a zero gradient norm from being a divisor; as in the
 # reference code, it can only matter for a unit whose gradient is 0, which
@@ -43,13 +44,22 @@ def unit_axes(shape: Sequence[int | None]) -> tuple[int, ...] | None:
     return tuple(range(rank - 1))
 
 
-def unitwise_norm(x: tf.Tensor, axes: tuple[int, ...] | None) -> tf.Tensor:
+def unitwise_norm(x: Any, axes: tuple[int, ...] | None) -> Any:
     """The Euclidean norm over `axes` (all for None), dimensions kept."""
-    return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axes, keepdims=True))
+    return ops.sqrt(ops.sum(ops.square(x), axis=axes, keepdims=True))
 
 
-def _compute_dtype(dtype: tf.DType) -> tf.DType:
-    return tf.float64 if dtype == tf.float64 else tf.float32
+def _compute_dtype(dtype: Any) -> str:
+    return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
+
+
+def _is_slices(grad: Any) -> bool:
+    """Whether `grad` is a `tf.IndexedSlices` (only TensorFlow has them)."""
+    if keras.config.backend() != "tensorflow":
+        return False
+    import tensorflow as tf
+
+    return isinstance(grad, tf.IndexedSlices)
 
 
 def variable_path(variable: Any) -> str:
@@ -131,7 +141,7 @@ class AdaptiveClipping:
             return self
         return AdaptiveClipping(self.clip_factor, self.eps, tuple(names))
 
-    def factor(self, grad: Any, variable: Any, scale: Any = None) -> tf.Tensor:
+    def factor(self, grad: Any, variable: Any, scale: Any = None) -> Any:
         """What `grad` is multiplied by: per unit, 1 or the cap over its norm.
 
         Args:
@@ -140,20 +150,23 @@ class AdaptiveClipping:
             scale: A loss-scale factor `grad` carries (clipping looks at
                 `grad / scale`), or None.
         """
-        dense = tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
-        dtype = _compute_dtype(tf.as_dtype(dense.dtype))
-        dense = tf.cast(dense, dtype)
+        if _is_slices(grad):
+            import tensorflow as tf
+
+            grad = tf.convert_to_tensor(grad)
+        dtype = _compute_dtype(grad.dtype)
+        dense = ops.cast(grad, dtype)
         if scale is not None:
-            dense = dense / tf.cast(scale, dtype)
-        weights = tf.cast(tf.convert_to_tensor(variable), dtype)
+            dense = dense / ops.cast(scale, dtype)
+        weights = ops.cast(ops.convert_to_tensor(variable), dtype)
         axes = unit_axes(dense.shape)
-        cap = tf.maximum(unitwise_norm(weights, axes), tf.cast(self.eps, dtype)) * tf.cast(
+        cap = ops.maximum(unitwise_norm(weights, axes), ops.cast(self.eps, dtype)) * ops.cast(
             self.clip_factor, dtype
         )
         norm = unitwise_norm(dense, axes)
         # `where`, not `minimum`: a unit under its cap keeps its gradient
         # exactly (a factor of 1), as in the reference code.
-        return tf.where(norm < cap, tf.ones_like(norm), cap / tf.maximum(norm, _TINY))
+        return ops.where(norm < cap, ops.ones_like(norm), cap / ops.maximum(norm, _TINY))
 
     def clip(self, grads: Sequence[Any], variables: Sequence[Any], scale: Any = None) -> list[Any]:
         """Clips each gradient of a variable not excluded.
@@ -173,11 +186,13 @@ class AdaptiveClipping:
                 out.append(g)
                 continue
             f = self.factor(g, v, scale)
-            if isinstance(g, tf.IndexedSlices):
+            if _is_slices(g):
+                import tensorflow as tf
+
                 values = g.values * tf.cast(f, g.values.dtype)
                 out.append(tf.IndexedSlices(values, g.indices, g.dense_shape))
             else:
-                out.append(g * tf.cast(f, g.dtype))
+                out.append(g * ops.cast(f, g.dtype))
         return out
 
 

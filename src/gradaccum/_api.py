@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import keras
-import tensorflow as tf
 
 from gradaccum import _agc, _loss_counts, _saving
 from gradaccum._loss_scale import LossScaleFront  # noqa: F401  (registers the kind)
@@ -21,6 +20,9 @@ from gradaccum._validation import (
     check_sparse,
     check_weigh_by,
 )
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 def accumulate(

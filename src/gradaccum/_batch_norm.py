@@ -34,15 +34,17 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import keras
-import tensorflow as tf
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.common.variables import AutocastScope
 
 from gradaccum import _patches
 from gradaccum._proxy import accumulating_in, accumulation_of
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 @keras.saving.register_keras_serializable(package="gradaccum", name="BatchNormalization")
@@ -68,10 +70,20 @@ class BatchNormalization(keras.layers.BatchNormalization):
             statistics that would move per micro-batch).
 
     Raises:
-        ValueError: If `renorm=True`.
+        ValueError: If `renorm=True`, or the Keras backend is not
+            TensorFlow.
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        if keras.config.backend() != "tensorflow":
+            # On JAX, `fit` calls a layer with its model's variables only: the
+            # optimizer's cycle, which the pooled update follows, is not
+            # among them.
+            raise ValueError(
+                "gradaccum.layers.BatchNormalization runs on the TensorFlow "
+                f"backend only; the active Keras backend is {keras.config.backend()!r}. "
+                "Use keras.layers.BatchNormalization."
+            )
         if kwargs.get("renorm"):
             raise ValueError(
                 "gradaccum.layers.BatchNormalization does not support "
@@ -156,6 +168,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         """The micro-batch's sample count per channel: over all replicas
         where Keras's moments are (`synchronized=True` without a mask; with
         a mask Keras takes each replica's own)."""
+        import tensorflow as tf
+
         if mask is not None:
             return tf.reduce_sum(tf.cast(mask, tf.float32))
         shape = tf.shape(inputs)
@@ -166,6 +180,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         return count
 
     def _pool(self, mean: tf.Tensor, variance: tf.Tensor, count: tf.Tensor, last: tf.Tensor) -> None:
+        import tensorflow as tf
+
         mean = tf.cast(mean, tf.float32)
         variance = tf.cast(variance, tf.float32)
         n_a = self.pooled_count.value
@@ -182,6 +198,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def _finish(self, total: tf.Tensor, mean: tf.Tensor, m2: tf.Tensor, last: tf.Tensor) -> None:
         """On `last`, the moving update with the pool, which is then emptied;
         otherwise the pool is kept."""
+        import tensorflow as tf
+
         momentum = self.momentum
         moving_mean = keras.ops.cast(self.moving_mean, "float32")
         moving_variance = keras.ops.cast(self.moving_variance, "float32")
@@ -200,6 +218,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         """Applies the pooled statistics of a partial cycle, if any."""
         if not self.built:
             return
+        import tensorflow as tf
+
         self._finish(
             self.pooled_count.value, self.pooled_mean.value, self.pooled_m2.value, tf.constant(True)
         )
@@ -281,8 +301,8 @@ _installed: list[Any] = []
 def install() -> None:
     """Wraps Keras's `Trainer.compile` and `make_train_function`, and gives
     Keras's `BatchNormalization` the `__new__` that `replacing` needs (once)."""
-    if _installed:
-        return
+    if _installed or keras.config.backend() != "tensorflow":
+        return  # The layer runs on TensorFlow only.
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
     from keras.src.trainers import trainer
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import tensorflow as tf
-
-from gradaccum._backend import distribution
 from gradaccum._validation import check_n
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class CycleLength:
@@ -51,7 +51,7 @@ class CycleLength:
         value = check_n(value)
         if value != 1 and self._n == 1 and self._handed_over_in_trace:
             warnings.warn(
-                f"`n` set to {value}, but a `tf.function` traced with n=1 hands "
+                f"`n` set to {value}, but a function (`tf.function`, `jax.jit`) traced with n=1 hands "
                 "gradients straight to the wrapped optimizer and keeps doing "
                 "so: trace it anew (for `model.fit`: "
                 "`model.make_train_function(force=True)`, or compile again).",
@@ -65,6 +65,8 @@ class CycleLength:
     def build(self) -> None:
         """Creates the variable an int `n` is read from (inside a creation scope)."""
         if self.schedule is None:
+            from gradaccum._backend.tensorflow import distribution
+
             self._variable = distribution.mirrored_counter(self._n, name="n")
 
     def current(self, applied: Any) -> tf.Tensor:
@@ -74,6 +76,8 @@ class CycleLength:
             applied: The wrapped optimizer's `iterations` (applied updates),
                 which a schedule takes.
         """
+        import tensorflow as tf
+
         if self.schedule is not None:
             n = tf.cast(self.schedule(applied), tf.int64)
             if tf.executing_eagerly() and int(n) < 1:
@@ -95,6 +99,8 @@ class CycleLength:
         A trace keeps the hand-over whatever `n` is set to later: traced, the
         guard stops the step from running once `n` is no longer 1.
         """
+        import tensorflow as tf
+
         if tf.executing_eagerly():
             return []
         self._handed_over_in_trace = True

@@ -10,11 +10,10 @@ families share. Families are looked up in `gradaccum._families`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
-import tensorflow as tf
-
-from gradaccum._backend import distribution
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class OptimizerFamily(Protocol):
@@ -128,6 +127,8 @@ class FamilyBase:
         return variable
 
     def strategy(self) -> tf.distribute.Strategy:
+        from gradaccum._backend.tensorflow import distribution
+
         return distribution.strategy_of(self.optimizer)
 
     def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:

@@ -1,14 +1,15 @@
-"""The Keras 3 optimizer family (`keras.optimizers.Optimizer`, TF backend)."""
+"""The Keras 3 optimizer family (`keras.optimizers.Optimizer`), on every Keras backend."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import keras
-import tensorflow as tf
 
-from gradaccum._backend import distribution
 from gradaccum._family import FamilyBase
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class Keras3Family(FamilyBase):
@@ -45,6 +46,11 @@ class Keras3Family(FamilyBase):
         return bool(self.optimizer.built)
 
     def build(self, variables: Sequence[Any]) -> None:
+        if keras.config.backend() != "tensorflow":
+            self.optimizer.build(list(variables))
+            return
+        from gradaccum._backend.tensorflow import distribution
+
         distribution.check_strategy(self.strategy(), "optimizer")
         distribution.check_buildable("optimizer")
         self.optimizer.build(list(variables))
@@ -72,9 +78,15 @@ class Keras3Family(FamilyBase):
                 if isinstance(v, keras.Variable) and id(v) not in known:
                     known.add(id(v))
                     variables.append(v)
+        if keras.config.backend() != "tensorflow":
+            return variables
+        from gradaccum._backend.tensorflow import distribution
+
         return [distribution.tf_variable(v) for v in variables]
 
     def model_variable(self, variable: Any) -> tf.Variable:
+        from gradaccum._backend.tensorflow import distribution
+
         return distribution.tf_variable(variable)
 
     def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:

@@ -46,13 +46,18 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import tensorflow as tf
+import keras
+import numpy as np
 
 from gradaccum import _patches
-from gradaccum._accumulation import Accumulation
 from gradaccum._proxy import accumulating_in, accumulation_of
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from gradaccum._accumulation import Accumulation
 
 # Reductions that divide the summed loss by something.
 _MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -104,35 +109,54 @@ def count_of(
     if reduction not in _MEANS:
         return Count(None)
     values = ops.convert_to_tensor(values, dtype=dtype)
+    # Copies: Keras's `apply_mask` multiplies its arguments in place (`*=`),
+    # which on PyTorch would write into the tensors the loss itself was
+    # computed from (and break its backward pass).
     if sample_weight is not None:
-        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+        sample_weight = ops.copy(ops.convert_to_tensor(sample_weight, dtype=dtype))
     if mask is not None:
-        mask = ops.convert_to_tensor(mask, dtype=dtype)
+        mask = ops.copy(ops.convert_to_tensor(mask, dtype=dtype))
     # Keras's own merge of mask and weights. For `"mean_with_sample_weight"`
     # that is `sample_weight * mask`, whose sum Keras divides by.
     weight = keras_loss.apply_mask(sample_weight, mask, dtype=values.dtype, reduction=reduction)
-    static, dynamic = values.shape, tf.shape(values)
     if weight is not None:
         weight = ops.cast(weight, values.dtype)
         values, weight = keras_loss.squeeze_or_expand_to_same_rank(values, weight)
-        static = tf.broadcast_static_shape(values.shape, weight.shape)
-        dynamic = tf.broadcast_dynamic_shape(tf.shape(values), tf.shape(weight))
-    if static.rank is not None and tuple(static) in ((), (0,)):
+    static, entries = _shape_and_entries(values, weight)
+    if static is not None and static in ((), (0,)):
         return Count(None)
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
-        return Count(tf.reduce_sum(tf.cast(weight, tf.float32)))
-    entries = tf.cast(tf.reduce_prod(dynamic), tf.float32)
+        return Count(ops.sum(ops.cast(weight, "float32")))
     if mask is not None:
         # Keras weighs each valid entry `total / valid` and divides by
         # `entries`: the divisor is `entries * valid / total` (`valid` when
         # the mask has the loss's shape).
-        valid = tf.reduce_sum(tf.cast(mask, tf.float32))
-        total = tf.cast(tf.size(mask), tf.float32)
-        return Count(tf.math.divide_no_nan(entries * valid, total))
+        valid = ops.sum(ops.cast(mask, "float32"))
+        total = ops.cast(ops.size(mask), "float32")
+        return Count(ops.divide_no_nan(entries * valid, total))
     per_row = None
-    if static.rank is not None and static.rank >= 1 and static[1:].is_fully_defined():
-        per_row = static[1:].num_elements()
+    if static is not None and len(static) >= 1 and all(d is not None for d in static[1:]):
+        per_row = int(np.prod(static[1:], dtype=np.int64))
     return Count(entries, per_row)
+
+
+def _shape_and_entries(values: Any, weight: Any) -> tuple[tuple[int | None, ...] | None, Any]:
+    """The shape of `values * weight` as far as known (None if its rank is
+    not), and its number of entries as a float32 tensor."""
+    if keras.config.backend() == "tensorflow":
+        import tensorflow as tf
+
+        static, dynamic = values.shape, tf.shape(values)
+        if weight is not None:
+            static = tf.broadcast_static_shape(values.shape, weight.shape)
+            dynamic = tf.broadcast_dynamic_shape(tf.shape(values), tf.shape(weight))
+        entries = tf.cast(tf.reduce_prod(dynamic), tf.float32)
+        return (None if static.rank is None else tuple(static.as_list())), entries
+    # JAX and PyTorch know every shape, also while tracing.
+    shape = tuple(values.shape)
+    if weight is not None:
+        shape = tuple(np.broadcast_shapes(shape, tuple(weight.shape)))
+    return shape, keras.ops.convert_to_tensor(float(np.prod(shape, dtype=np.int64)), dtype="float32")
 
 
 def combine(counts: list[Count]) -> tuple[tf.Tensor | None, bool]:

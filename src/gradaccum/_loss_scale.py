@@ -21,17 +21,19 @@ help (`_load_when_built`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 import wrapt
 
 from gradaccum import _families, _patches
 from gradaccum._proxy import AccumulatingOptimizer, accumulation_of, register_kind, wrappable_family
-from gradaccum._state import read_store
+from gradaccum._store import read_store
 from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_sparse, check_weigh_by
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class _UncountedIterations(wrapt.ObjectProxy):
@@ -40,6 +42,8 @@ class _UncountedIterations(wrapt.ObjectProxy):
     def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
         if read_value:
             return self.__wrapped__.read_value()
+        import tensorflow as tf  # tf_keras only
+
         return tf.no_op()
 
 
@@ -105,6 +109,10 @@ class LossScaleFront(AccumulatingOptimizer):
     def _install(optimizer: Any, attribute: str, core: AccumulatingOptimizer) -> None:
         """Makes `core` the loss-scale optimizer's inner optimizer."""
         setattr(optimizer, attribute, core)
+        if keras.config.backend() != "tensorflow":
+            return
+        import tensorflow as tf
+
         delegating = tf.__internal__.tracking.DelegatingTrackableMixin
         if isinstance(optimizer, delegating):
             # tf_keras's loss-scale optimizer for OptimizerV2 hands every

@@ -18,18 +18,17 @@ on the `Accumulation` both kinds share; each kind defines `build`,
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 import wrapt
 
-from gradaccum import _backend, _families, _saving
-from gradaccum._accumulation import Accumulation
+from gradaccum import _backend, _engines, _families, _saving
 from gradaccum._agc import AdaptiveClipping
 from gradaccum._family import OptimizerFamily
-from gradaccum._state import CHILD, AccumulationState, State, check_saved_settings, read_store
+from gradaccum._store import CHILD, check_saved_settings, owns_key, read_store
+from gradaccum._view import AccumulationState
 from gradaccum._validation import (
     check_mode,
     check_n,
@@ -38,6 +37,11 @@ from gradaccum._validation import (
     check_sparse,
     check_weigh_by,
 )
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from gradaccum._accumulation import Accumulation
 
 
 class AccumulatingOptimizer(wrapt.ObjectProxy):
@@ -401,8 +405,9 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
 
     def __repr__(self) -> str:
         position = "?"
-        if tf.executing_eagerly():
-            position = str(int(self.micro_step.numpy()))
+        micro_step = self.micro_step
+        if _known(micro_step):
+            position = str(int(keras.ops.convert_to_numpy(micro_step)))
         return (
             f"<AccumulatingOptimizer n={self.n} "
             f"reduction={self.reduction!r} mode={self.mode!r} weigh_by={self.weigh_by!r} "
@@ -410,6 +415,17 @@ class AccumulatingOptimizer(wrapt.ObjectProxy):
             f"micro_step={position} "
             f"wrapping {self.__wrapped__!r}>"
         )
+
+
+def _known(value: Any) -> bool:
+    """Whether a tensor's value is known (not inside a trace)."""
+    if keras.config.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly()
+    from gradaccum._backend import portable as control
+
+    return not control.is_traced(value)
 
 
 # Pickles refer to the class by its public name, not this private module.
@@ -487,7 +503,7 @@ class _Core(AccumulatingOptimizer):
         _adopt: bool = False,
     ):
         family = wrappable_family(optimizer)
-        accumulation = Accumulation(
+        accumulation = _engines.accumulation_class()(
             family,
             check_n_or_schedule(n),
             check_reduction(reduction),
@@ -599,6 +615,54 @@ class _Core(AccumulatingOptimizer):
         """
         self._self_accumulation.step(grads, trainable_variables, weight, {})
 
+    @property
+    def variables(self) -> Any:
+        """The wrapped optimizer's variables; on JAX and PyTorch followed by
+        the accumulation state's (the accumulators, the micro-step counter,
+        the weight total and an int `n`), so that `model.fit` on JAX carries
+        them from step to step as it carries the optimizer's."""
+        variables = self.__wrapped__.variables
+        own = self._self_accumulation.own_variables()
+        return list(variables) + own if own else variables
+
+    def stateless_apply(
+        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Sequence[Any]
+    ) -> tuple[list[Any], list[Any]]:
+        """Accumulates one micro-batch without side effects (JAX, PyTorch).
+
+        What JAX's `model.fit` calls, inside `jax.jit` or not; usable in a
+        custom training loop the same way.
+
+        Args:
+            optimizer_variables: The values of `optimizer.variables` (the
+                wrapped optimizer's, then the accumulation state's).
+            grads: One gradient per trainable variable the optimizer was
+                built for.
+            trainable_variables: Those variables' values.
+
+        Returns:
+            `(trainable_variables, optimizer_variables)`: their new values,
+            changed only by a micro-step that completes the cycle (but the
+            accumulation state's).
+
+        Raises:
+            ValueError: If the optimizer is not built or the lists do not
+                match its variables.
+            NotImplementedError: On the TensorFlow backend, where the
+                accumulation writes TensorFlow variables directly: call
+                `apply` or `apply_gradients`.
+        """
+        accumulation = self._self_accumulation
+        if not hasattr(accumulation, "stateless_apply"):
+            raise NotImplementedError(
+                "stateless_apply() of an accumulating optimizer is not "
+                "available on the TensorFlow backend; call `apply()` or "
+                "`apply_gradients()`."
+            )
+        return accumulation.stateless_apply(
+            self.apply, self.variables, optimizer_variables, grads, trainable_variables
+        )
+
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """The wrapped optimizer's, once an update has been applied.
 
@@ -617,6 +681,13 @@ class _Core(AccumulatingOptimizer):
         finalize = self.__wrapped__.finalize_variable_values
         if not getattr(self.__wrapped__, "use_ema", False):
             return finalize(var_list)
+        if keras.config.backend() != "tensorflow":
+            # JAX's `fit` calls this eagerly, after writing the state back.
+            if int(keras.ops.convert_to_numpy(self._self_family.iterations)) > 0:
+                finalize(var_list)
+            return None
+        import tensorflow as tf
+
         # A read, not the variable: under a strategy it is a MirroredVariable.
         applied = tf.convert_to_tensor(self._self_family.iterations)
         if tf.executing_eagerly():
@@ -629,8 +700,11 @@ class _Core(AccumulatingOptimizer):
     # ------------------------------------------------------------------
     # Persistence: the wrapped optimizer's, plus the accumulation state.
 
-    def _restore_deferred(self, module: tf.Module) -> None:
-        """Restores state a checkpoint held for the module before it existed."""
+    def _restore_deferred(self, module: tf.Module | None) -> None:
+        """Restores state a checkpoint held for the module before it existed
+        (TensorFlow; on other backends there is no module)."""
+        if module is None:
+            return
         self.__wrapped__._handle_deferred_dependencies(name=CHILD, trackable=module)
 
     def _trackable_children(self, save_type: str = "checkpoint", **kwargs: Any) -> dict:
@@ -653,6 +727,6 @@ class _Core(AccumulatingOptimizer):
             state.save(store)
 
     def _load_now(self, values: dict[str, np.ndarray]) -> None:
-        self.__wrapped__.load_own_variables({k: v for k, v in values.items() if not State.owns_key(k)})
-        if any(State.owns_key(k) for k in values):
+        self.__wrapped__.load_own_variables({k: v for k, v in values.items() if not owns_key(k)})
+        if any(owns_key(k) for k in values):
             self._self_accumulation.state.load(values)

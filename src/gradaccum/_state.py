@@ -25,138 +25,28 @@ silently wrong.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from gradaccum._backend import distribution, tensors
+from gradaccum._backend.tensorflow import distribution, tensors
 from gradaccum._family import OptimizerFamily
-
-# The proxy's checkpoint child, and the prefix of its keys in Keras files.
-CHILD = "gradient_accumulation"
-KEY = "gradaccum_"
-_REDUCTION_CODES = {"mean": 0, "sum": 1}
-
-
-class AccumulationState(NamedTuple):
-    """A read-only view of an `AccumulatingOptimizer`'s accumulation state.
-
-    Attributes:
-        variables: The variables gradients are accumulated for, in the order
-            the optimizer met them (checkpoints hold the accumulators in this
-            order).
-        accumulators: One variable per entry of `variables`: the sum of its
-            (weighted) micro-gradients in the current cycle (float32, or
-            float64 for float64 variables). Under a distribution strategy,
-            replica-local: each replica holds its own sum.
-        micro_step: Micro-batches accumulated in the current cycle (int64).
-        weight_total: The sum of the micro-batch weights in the current
-            cycle (each unweighted micro-batch weighs 1); replica-local.
-        zero_buffers: Skip mode's shared vectors of zeros, by dtype, that
-            the accumulators are pointed at after each update (empty where
-            the mode keeps none; see `mode`).
-        kept_slices: With `sparse="slices"`, the current cycle's
-            `tf.IndexedSlices` of each variable that received them, by its
-            position in `variables`: a `(values, indices)` pair of
-            variables whose first dimension grows by each micro-step's
-            slice count (their `accumulators` entry stays zero).
-    """
-
-    variables: tuple[Any, ...]
-    accumulators: tuple[tf.Variable, ...]
-    micro_step: tf.Tensor
-    weight_total: tf.Tensor
-    zero_buffers: dict[tf.DType, tf.Variable]
-    kept_slices: dict[int, tuple[tf.Variable, tf.Variable]] = {}
-
-
-def _name(variable: Any) -> str:
-    return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
-
-
-def _path(variable: Any) -> str:
-    """A variable's path (Keras 3) or name without its `:0` (TensorFlow)."""
-    path = getattr(variable, "path", None) or variable.name
-    return path[:-2] if path.endswith(":0") else path
-
-
-def relative_names(variables: Sequence[Any]) -> list[str]:
-    """The variables' paths without the leading components they all share.
-
-    A variable's path depends on the name scope it was created in: a model
-    built in Python and the same model loaded from a file may give the same
-    variables paths that differ by a leading model name (`mlp/dense/kernel`
-    and `dense/kernel`). What follows the common prefix names each variable
-    the same way in both. The last component is never dropped.
-    """
-    parts = [_path(v).split("/") for v in variables]
-    common = 0
-    if parts:
-        shortest = min(len(p) for p in parts) - 1
-        while common < shortest and all(p[common] == parts[0][common] for p in parts):
-            common += 1
-    return ["/".join(p[common:]) for p in parts]
-
-
-def _encode_names(names: list[str]) -> np.ndarray:
-    # Keras stores hold numeric arrays only: UTF-8 bytes, separated by NUL
-    # (which no variable name contains).
-    return np.frombuffer("\0".join(names).encode("utf-8"), dtype=np.uint8)
-
-
-def _decode_names(encoded: Any, count: int) -> list[str]:
-    if not count:
-        return []
-    return np.asarray(encoded, dtype=np.uint8).tobytes().decode("utf-8").split("\0")
-
-
-def _describe_n(n: int) -> str:
-    return "a schedule" if n == 0 else f"n={n}"
-
-
-def _check_settings(saved_n: int, saved_reduction: str, n: int, reduction: str) -> None:
-    if saved_n != n:
-        raise ValueError(
-            "The checkpoint's gradient-accumulation state was written with "
-            f"{_describe_n(saved_n)}, but this optimizer accumulates with "
-            f"{_describe_n(n)}. Wrap the optimizer the same way to resume "
-            "this cycle, or restore into the plain optimizer to drop the "
-            "partial cycle."
-        )
-    if saved_reduction != reduction:
-        raise ValueError(
-            "The checkpoint's gradient-accumulation state was written with "
-            f"reduction={saved_reduction!r}, but this optimizer has "
-            f"reduction={reduction!r}."
-        )
-
-
-def read_store(store: Any) -> dict[str, np.ndarray]:
-    """A Keras weights store's values, read into memory.
-
-    Keras closes the file once loading returns; what an unbuilt optimizer
-    keeps for later must not refer to it.
-    """
-    return {key: np.array(store[key]) for key in store.keys()}
-
-
-def check_saved_settings(store: Any, n_code: int, reduction: str) -> None:
-    """Refuses a Keras weights store written with another `n` or `reduction`.
-
-    A store without accumulation state (written by the plain optimizer)
-    passes.
-
-    Raises:
-        ValueError: If the store's `n` or `reduction` differ.
-    """
-    if f"{KEY}n" not in store.keys():
-        return
-    saved_reduction = {v: k for k, v in _REDUCTION_CODES.items()}.get(
-        int(np.asarray(store[f"{KEY}reduction"])), "?"
-    )
-    _check_settings(int(np.asarray(store[f"{KEY}n"])), saved_reduction, n_code, reduction)
-
+from gradaccum._store import (  # noqa: F401  (CHILD and read_store: for the proxy)
+    _REDUCTION_CODES,
+    CHILD,
+    _check_settings,
+    _name,
+    _path,
+    KEY,
+    _decode_names,
+    _encode_names,
+    check_saved_settings,
+    read_store,
+    relative_names,
+    saved_accumulators,
+)
+from gradaccum._view import AccumulationState
 
 class _Checkpointed(tf.Module):
     """What TensorFlow checkpoints hold of a `State` (see the module docstring)."""
@@ -483,43 +373,8 @@ class State:
                 `reduction` or model (naming the variables that differ).
         """
         check_saved_settings(store, self.n_code, self.reduction)
-        count = sum(1 for k in store.keys() if k.startswith(f"{KEY}accumulator_"))
-        names = relative_names(self.variables)
-        saved_names = None
-        if f"{KEY}names" in store.keys():
-            saved_names = _decode_names(store[f"{KEY}names"], count)
-        if count != len(self.accumulators):
-            differ = ""
-            if saved_names is not None:
-                only_saved = [m for m in saved_names if m not in names][:5]
-                only_here = [m for m in names if m not in saved_names][:5]
-                differ = f" Saved only: {only_saved}; here only: {only_here}."
-            raise ValueError(
-                f"The saved gradient-accumulation state has {count} "
-                f"accumulators, but this optimizer has {len(self.accumulators)} "
-                f"(one per trainable variable): it was saved for another model.{differ}"
-            )
-        # `source[i]`: the saved position of this optimizer's accumulator `i`.
-        source = list(range(count))
-        if (
-            saved_names is not None
-            and len(set(saved_names)) == len(saved_names) == len(set(names)) == count
-            and set(saved_names) == set(names)
-        ):
-            position = {name: j for j, name in enumerate(saved_names)}
-            source = [position[name] for name in names]
-        values = []
-        for i, (acc, j) in enumerate(zip(self.accumulators, source)):
-            value = np.asarray(store[f"{KEY}accumulator_{j}"])
-            if tuple(value.shape) != tuple(acc.shape):
-                saved = repr(saved_names[j]) if saved_names is not None else f"at position {j}"
-                raise ValueError(
-                    f"The saved accumulator for variable {saved} has shape "
-                    f"{tuple(value.shape)}, but this optimizer's variable "
-                    f"{_path(self.variables[i])!r} (position {i}) has shape "
-                    f"{tuple(acc.shape)}: the state was saved for another model."
-                )
-            values.append(value)
+        source, values = saved_accumulators(store, self.variables, [acc.shape for acc in self.accumulators])
+        count = len(source)
         kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for i, j in enumerate(source):
             if f"{KEY}kept_values_{j}" in store.keys():

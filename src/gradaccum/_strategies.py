@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping, Sequence
 import tensorflow as tf
 
 from gradaccum._agc import AdaptiveClipping
-from gradaccum._backend import distribution, tensors, updates
+from gradaccum._backend.tensorflow import distribution, tensors, updates
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import State
 

@@ -26,7 +26,7 @@ import tf_keras
 from tf_keras.src.mixed_precision.autocast_variable import AutoCastVariable
 from tf_keras.src.optimizers.legacy import optimizer_v2
 
-from gradaccum._backend import distribution
+from gradaccum._backend.tensorflow import distribution
 from gradaccum._family import FamilyBase
 
 # Both loss-scale optimizers (around either family) subclass this one.

@@ -80,6 +80,16 @@ def check_n_or_schedule(n: Any) -> int | Any:
     return check_n(n)
 
 
+def check_weight_value(value: float) -> None:
+    """Raises unless a weight's value is finite and >= 0 (a number, or a
+    tensor's value where it is known: eagerly)."""
+    if not (value >= 0 and value != float("inf")):
+        raise ValueError(
+            "`weight` must be a finite number >= 0 (for example the "
+            f"micro-batch's sample count). Received: weight={value!r}."
+        )
+
+
 def check_weight(weight: Any) -> Any:
     """Returns `weight`, or raises if a Python number is not finite and >= 0."""
     if weight is None:
@@ -90,11 +100,7 @@ def check_weight(weight: Any) -> Any:
             f"Received: weight={weight!r}."
         )
     if isinstance(weight, numbers.Real):
-        if not (weight >= 0 and weight != float("inf")):
-            raise ValueError(
-                "`weight` must be a finite number >= 0 (for example the "
-                f"micro-batch's sample count). Received: weight={weight!r}."
-            )
+        check_weight_value(float(weight))
         return float(weight)
     shape = getattr(weight, "shape", None)
     if shape is None:
@@ -102,9 +108,11 @@ def check_weight(weight: Any) -> Any:
             "`weight` must be a non-negative number or a scalar tensor. "
             f"Received: {weight!r} of type {type(weight).__name__}."
         )
-    if shape.rank is not None and shape.rank != 0:
+    # A TensorFlow shape has a rank (None if unknown); the others are tuples.
+    rank = shape.rank if hasattr(shape, "rank") else len(shape)
+    if rank is not None and rank != 0:
         raise ValueError(
-            f"`weight` must be a scalar. Received a tensor of shape {shape}."
+            f"`weight` must be a scalar. Received a tensor of shape {tuple(shape)}."
         )
     return weight
 

@@ -1,0 +1,409 @@
+"""The accumulating core on JAX and PyTorch: one micro-step, and `flush`.
+
+The same cycle as on TensorFlow (`gradaccum._accumulation`), written with
+Keras ops. A micro-step adds the (weighted) gradients into the accumulators
+and advances the micro-step counter; the step that completes the cycle hands
+the wrapped optimizer the accumulated mean (or sum) once, and clears the
+accumulators:
+
+- `"masked"`: every micro-step runs the wrapped optimizer's update; the
+  previous values of the model's and the optimizer's variables are kept
+  unless the step completes the cycle, one `where` per variable. No branch.
+- `"skip"`: the update runs only on the step that completes the cycle (a
+  Python `if`, or a `jax.lax.cond` when traced; see `control.run_if`).
+
+Either way the micro-steps in between change no model variable and no
+optimizer state, so `iterations`, schedules, EMA, clipping, weight decay and
+constraints see what training on the large batch sees.
+
+JAX runs the optimizer without side effects: `stateless_apply` maps every
+variable (the model's, the wrapped optimizer's and the accumulation state's,
+which the proxy lists in `variables`) to a value, runs `apply` in a
+`StatelessScope` and returns the new values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import keras
+from keras import ops
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from gradaccum._agc import AdaptiveClipping
+from gradaccum._backend import portable as control
+from gradaccum._portable.state import State
+from gradaccum._cycle import CycleLength
+from gradaccum._family import OptimizerFamily
+from gradaccum._validation import check_weight, check_weight_value
+from gradaccum._view import AccumulationState
+
+
+class _Cycle(CycleLength):
+    """`n` read from the state's variable, or from the schedule, with Keras ops."""
+
+    def build(self) -> None:
+        # The variable belongs to the state (it travels with it on JAX);
+        # `Accumulation` points `_variable` at it.
+        return None
+
+    def current(self, applied: Any) -> Any:
+        if self.schedule is not None:
+            n = ops.cast(self.schedule(applied), "int32")
+            if not control.is_traced(n) and int(n) < 1:
+                raise ValueError(f"The `n` schedule returned {int(n)}; it must return an int >= 1.")
+            return ops.maximum(n, 1)
+        if self._variable is None:
+            return ops.convert_to_tensor(self._n, dtype="int32")
+        return self._variable.value
+
+    def hand_over_guard(self) -> list[Any]:
+        # A step traced with n=1 keeps handing over; setting `n` then warns
+        # (`CycleLength.set`). JAX has no cheap run-time assertion to stop
+        # such a step, as TensorFlow's guard does.
+        return []
+
+
+def _watched(optimizer: Any) -> list[Any]:
+    """Every variable an update of `optimizer` may write, but the model's:
+    its `variables`, and those its `build` created directly (see
+    `Keras3Family.state_variables`)."""
+    variables = list(optimizer.variables)
+    known = {id(v) for v in variables} | {id(v) for v in optimizer._trainable_variables}
+    for value in vars(optimizer).values():
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(v, keras.Variable) and id(v) not in known:
+                known.add(id(v))
+                variables.append(v)
+    return variables
+
+
+class Accumulation:
+    """Gradient accumulation for one optimizer on JAX or PyTorch.
+
+    The interface of `gradaccum._accumulation.Accumulation` (see there for
+    the arguments), plus `own_variables` and `stateless_apply`.
+
+    Raises:
+        ValueError: For `sparse="slices"`, which needs `tf.IndexedSlices`.
+    """
+
+    def __init__(
+        self,
+        family: OptimizerFamily,
+        n: Any,
+        reduction: str,
+        mode: str,
+        weigh_by: str,
+        on_built: Callable[[Any], None],
+        sparse: str = "rows",
+        agc: AdaptiveClipping | None = None,
+    ):
+        if sparse != "rows":
+            raise ValueError(
+                f"sparse={sparse!r} keeps `tf.IndexedSlices`, which only the "
+                f"TensorFlow backend has; the active Keras backend is "
+                f"{keras.config.backend()!r}. Use sparse=\"rows\" (the default)."
+            )
+        self.family = family
+        self.agc = agc
+        self.cycle = _Cycle(n)
+        self.reduction = reduction
+        self.mode = mode
+        self.weigh_by = weigh_by
+        self.sparse = sparse
+        self.state: State | None = None
+        self._on_built = on_built
+        self._handed_weight: Any = None
+        # The count handed over by the loss computation for the next
+        # micro-step (one device: no replica threads on these backends).
+        self._count: Any = None
+        self._after_build: list[Callable[[], None]] = []
+        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    # ------------------------------------------------------------------
+    # Settings and read-only views.
+
+    def set_n(self, value: Any) -> None:
+        self.cycle.set(value)
+        if self.state is not None:
+            self.state.n_code = self.cycle.code
+
+    def current_n(self) -> Any:
+        return self.cycle.current(self.family.iterations)
+
+    @property
+    def built(self) -> bool:
+        return self.family.built and self.state is not None
+
+    def micro_step(self) -> Any:
+        if self.state is None:
+            return ops.convert_to_tensor(0, dtype="int32")
+        return control.snapshot(self.state.micro_step)
+
+    def will_apply(self) -> Any:
+        return ops.greater_equal(self.micro_step() + 1, self.current_n())
+
+    def view(self) -> AccumulationState | None:
+        state = self.state
+        if state is None:
+            return None
+        return AccumulationState(
+            variables=tuple(state.variables),
+            accumulators=tuple(state.accumulators),
+            micro_step=control.snapshot(state.micro_step),
+            weight_total=control.snapshot(state.weight_total),
+            zero_buffers={},
+        )
+
+    def own_variables(self) -> list[Any]:
+        """The state's variables (empty until built), which the proxy lists
+        after the wrapped optimizer's in `variables`."""
+        return [] if self.state is None else self.state.variables_list()
+
+    # ------------------------------------------------------------------
+    # Building.
+
+    def build(self, variables: Sequence[Any]) -> None:
+        family = self.family
+        if not family.built:
+            family.build(variables)
+        if self.state is None:
+            self._build_state(family.trainable_variables())
+
+    def when_built(self, callback: Callable[[], None]) -> None:
+        if self.built:
+            callback()
+        else:
+            self._after_build.append(callback)
+
+    def _build_state(self, variables: list[Any]) -> None:
+        if control.is_traced(self.family.iterations.value):
+            raise ValueError(
+                "The accumulating optimizer must be built before it is traced "
+                "by `jax.jit`: call `optimizer.build(model.trainable_variables)` "
+                "first (`model.fit` does)."
+            )
+        n = None if self.cycle.schedule is not None else self.cycle.value
+        self.state = State(variables, n, self.cycle.code, self.reduction)
+        self.cycle._variable = self.state.n
+        self._on_built(None)
+        waiting, self._after_build = self._after_build, []
+        for callback in waiting:
+            callback()
+
+    # ------------------------------------------------------------------
+    # A micro-step.
+
+    @contextlib.contextmanager
+    def weighing(self, weight: Any) -> Iterator[None]:
+        self._handed_weight = check_weight(weight)
+        try:
+            yield
+        finally:
+            self._handed_weight = None
+
+    def count_next(self, count: Any) -> None:
+        self._count = count if self.weigh_by == "count" else None
+
+    def step(
+        self,
+        grads: Sequence[Any],
+        variables: Sequence[Any] | None,
+        weight: Any,
+        options: Mapping[str, Any],
+    ) -> None:
+        weight = check_weight(weight)
+        if weight is not None:
+            self._check_weight_value(weight)
+        else:
+            weight, self._handed_weight = self._handed_weight, None
+        count, self._count = self._count, None
+        grads = list(grads)
+        if variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When `trainable_variables` is omitted the optimizer must "
+                    "already be built: call `optimizer.build(variables)` first."
+                )
+            if len(grads) != len(self.state.variables):
+                raise ValueError(
+                    f"Received {len(grads)} gradients for an optimizer built "
+                    f"for {len(self.state.variables)} variables."
+                )
+            variables = self.state.variables
+        else:
+            variables = list(variables)
+            if len(grads) != len(variables):
+                raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables.")
+        if not grads:
+            return
+        if not self.built:
+            self.build(variables)
+        state = self.state
+        indices = state.indices_of(variables)
+        if all(g is None for g in grads):
+            raise ValueError("No gradients provided for any variable (every gradient is None).")
+        if self.cycle.hands_over() and weight is None and not state.participants():
+            # Every micro-batch is a whole batch: the plain optimizer, bit
+            # for bit (see the TensorFlow core).
+            if control.is_traced(state.micro_step.value):
+                self.cycle._handed_over_in_trace = True
+            self._deliver(grads, variables)
+            return
+        if weight is None:
+            # A count Keras divided the loss by (never negative).
+            weight = count
+        for i, g in zip(indices, grads):
+            if g is None:
+                continue
+            state.seen[i] = True
+            control.add_into(state.accumulators[i], g, weight)
+        added = 1.0 if weight is None else ops.cast(weight, "float32")
+        state.weight_total.assign(state.weight_total.value + added)
+        steps = state.micro_step.value + 1
+        self._finish_if(ops.greater_equal(steps, self.current_n()), steps)
+
+    @staticmethod
+    def _check_weight_value(weight: Any) -> None:
+        """Refuses an explicit weight tensor that is negative or not finite,
+        where its value is known (a number was checked by `check_weight`; a
+        traced value cannot be)."""
+        if isinstance(weight, float) or control.is_traced(weight):
+            return
+        check_weight_value(float(ops.convert_to_numpy(weight)))
+
+    def follow(self, follower: Any) -> None:
+        self._followers[id(follower)] = follower
+
+    def flush(self) -> None:
+        for follower in list(self._followers.values()):
+            follower.flush()
+        state = self.state
+        if state is None or not state.participants():
+            return
+        steps = state.micro_step.value
+        if not control.is_traced(steps) and int(ops.convert_to_numpy(steps)) == 0:
+            return  # an empty cycle
+        self._finish_if(ops.greater(steps, 0), steps)
+
+    # ------------------------------------------------------------------
+    # The end of a cycle.
+
+    def _deliver(self, grads: list[Any], variables: list[Any]) -> None:
+        """The wrapped optimizer's update (AGC first, if on)."""
+        if self.agc is not None:
+            grads = self.agc.clip(grads, variables, self.family.gradient_scale())
+        self.family.apply(grads, variables, {})
+
+    def _finish_if(self, ends: Any, steps: Any) -> None:
+        """Applies the accumulated update if `ends`, and clears the cycle
+        then; otherwise only advances the micro-step counter to `steps`."""
+        state = self.state
+        indices = state.participants()
+        variables = [state.variables[i] for i in indices]
+        total = state.weight_total.value
+        accumulators = [state.accumulators[i] for i in indices]
+        # Read here: traced by JAX, the update below may run in a branch that
+        # sees only the variables it writes.
+        sums = [acc.value for acc in accumulators]
+        divide = self.reduction == "mean"
+
+        def update() -> None:
+            # No division by zero if every weight was 0 (the sums are 0 then
+            # too).
+            divisor = ops.where(total > 0, total, 1.0)
+            grads = [control.quotient(acc, divisor) if divide else acc for acc in sums]
+            self._deliver([ops.cast(g, v.dtype) for g, v in zip(grads, variables)], variables)
+
+        if not control.is_traced(ends):
+            # PyTorch, and JAX outside `jit`: whether the cycle ends is known
+            # before the update would run, and nothing is traced, so both
+            # modes run the update on apply steps only (a Python `if` crosses
+            # no replica synchronisation here) and write the accumulators in
+            # place.
+            if bool(ends):
+                if divide:
+                    sums = [control.divide_in_place(acc, ops.where(total > 0, total, 1.0)) for acc in accumulators]
+                    divide = False
+                update()
+                for acc in accumulators:
+                    control.clear(acc)
+                state.weight_total.assign(0.0)
+                state.micro_step.assign(0)
+            else:
+                state.micro_step.assign(steps)
+            return
+        model = list(self.family.trainable_variables())
+        watched = model + [v for v in _watched(self.family.optimizer) if id(v) not in {id(m) for m in model}]
+        if self.mode == "masked":
+            before = [control.snapshot(v) for v in watched]
+            update()
+            for v, old in zip(watched, before):
+                v.assign(ops.where(ends, v.value, old))
+        else:
+            control.run_if(ends, update, watched)
+        for i in indices:
+            acc = state.accumulators[i]
+            acc.assign(ops.where(ends, ops.zeros_like(acc.value), acc.value))
+        state.weight_total.assign(ops.where(ends, 0.0, total))
+        state.micro_step.assign(ops.where(ends, 0, steps))
+
+    # ------------------------------------------------------------------
+    # JAX: the optimizer as a function of its variables' values.
+
+    def stateless_apply(
+        self,
+        apply: Callable[[list[Any], list[Any]], None],
+        own_variables: list[Any],
+        optimizer_variables: Sequence[Any],
+        grads: Sequence[Any],
+        trainable_variables: Sequence[Any],
+    ) -> tuple[list[Any], list[Any]]:
+        """`optimizer.stateless_apply` of the proxy: runs `apply` (the
+        proxy's) on the given values and returns the new ones.
+
+        Args:
+            apply: The proxy's `apply`.
+            own_variables: The proxy's `variables` (the wrapped optimizer's,
+                then the state's).
+            optimizer_variables: Their values, in that order.
+            grads: One gradient per trainable variable.
+            trainable_variables: The model's trainable variables' values.
+
+        Returns:
+            `(trainable_variables, optimizer_variables)`: the new values.
+
+        Raises:
+            ValueError: If the optimizer is not built, or the lists do not
+                match its variables.
+        """
+        if not self.built:
+            raise ValueError(
+                "To call `stateless_apply`, the accumulating optimizer must be "
+                "built: call `optimizer.build(trainable_variables)` first."
+            )
+        model = self.family.trainable_variables()
+        if len(optimizer_variables) != len(own_variables):
+            raise ValueError(
+                "Argument `optimizer_variables` must hold one value per "
+                f"variable of `optimizer.variables` ({len(own_variables)}, the "
+                "wrapped optimizer's and the accumulation state's). Received "
+                f"{len(optimizer_variables)}."
+            )
+        if len(trainable_variables) != len(model):
+            raise ValueError(
+                f"Argument `trainable_variables` must hold {len(model)} values "
+                f"(one per variable the optimizer was built for). Received "
+                f"{len(trainable_variables)}."
+            )
+        mapping = list(zip(model, trainable_variables)) + list(zip(own_variables, optimizer_variables))
+        with StatelessScope(state_mapping=mapping) as scope:
+            apply(list(grads), model)
+        return (
+            [scope.get_current_value(v) for v in model],
+            [scope.get_current_value(v) for v in own_variables],
+        )
+

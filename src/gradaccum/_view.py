@@ -1,0 +1,37 @@
+"""`AccumulationState`: the public, read-only view of the accumulation state."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class AccumulationState(NamedTuple):
+    """A read-only view of an `AccumulatingOptimizer`'s accumulation state.
+
+    Attributes:
+        variables: The variables gradients are accumulated for, in the order
+            the optimizer met them (checkpoints hold the accumulators in this
+            order).
+        accumulators: One variable per entry of `variables`: the sum of its
+            (weighted) micro-gradients in the current cycle (float32, or
+            float64 for float64 variables). Under a distribution strategy,
+            replica-local: each replica holds its own sum.
+        micro_step: Micro-batches accumulated in the current cycle (int64).
+        weight_total: The sum of the micro-batch weights in the current
+            cycle (each unweighted micro-batch weighs 1); replica-local.
+        zero_buffers: Skip mode's shared vectors of zeros, by dtype, that
+            the accumulators are pointed at after each update (empty where
+            the mode keeps none; see `mode`).
+        kept_slices: With `sparse="slices"`, the current cycle's
+            `tf.IndexedSlices` of each variable that received them, by its
+            position in `variables`: a `(values, indices)` pair of
+            variables whose first dimension grows by each micro-step's
+            slice count (their `accumulators` entry stays zero).
+    """
+
+    variables: tuple[Any, ...]
+    accumulators: tuple[Any, ...]
+    micro_step: Any
+    weight_total: Any
+    zero_buffers: dict[Any, Any]
+    kept_slices: dict[int, tuple[Any, Any]] = {}
