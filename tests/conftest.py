@@ -1,14 +1,19 @@
-"""Test-wide TensorFlow set-up; runs before TensorFlow initialises."""
+"""Test-wide TensorFlow set-up; runs before TensorFlow initialises.
+
+On the JAX and PyTorch backends (`tests/backends` only) TensorFlow is not
+installed and nothing is set up here.
+"""
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import tensorflow as tf  # noqa: E402
+if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+    import tensorflow as tf
 
-# Two logical CPUs, so MirroredStrategy with two replicas runs in-process.
-# Single-device tests are unaffected: they run on /cpu:0.
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-)
+    # Two logical CPUs, so MirroredStrategy with two replicas runs
+    # in-process. Single-device tests are unaffected: they run on /cpu:0.
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import keras
 import numpy as np
-import tensorflow as tf
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 # Float32 rounding after a few cycles on these small models: measured noise
 # between equivalent runs is 3e-8..3e-7 absolute; relative 1e-5 covers values
@@ -82,6 +84,11 @@ def optimizer_state(optimizer: Any, model_name: str = "") -> dict[str, np.ndarra
     """
     out = {}
     for v in optimizer.variables:
+        if v.path.rsplit("/", 1)[-1].startswith("gradaccum_"):
+            # The accumulation state, which the proxy lists after the wrapped
+            # optimizer's variables on JAX and PyTorch: no plain optimizer
+            # has it.
+            continue
         # Unnamed variables get a process-wide counter suffix ("variable_3");
         # drop it, and number repeats in creation order instead.
         path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
@@ -101,7 +108,10 @@ def full_state(model: keras.Model, optimizer: Any) -> dict[str, np.ndarray]:
         for v in model.weights
     }
     out.update(optimizer_state(optimizer, model.name))
-    out["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
+    iterations = optimizer.iterations
+    # A variable, or (Keras's own accumulation on JAX) a computed array.
+    value = iterations.numpy() if hasattr(iterations, "numpy") else keras.ops.convert_to_numpy(iterations)
+    out["iterations"] = np.asarray(int(value))
     return out
 
 
@@ -176,6 +186,8 @@ def fit_pair(
 
 
 def mse_grads(model: keras.Model, x, y, loss_fn=None):
+    import tensorflow as tf
+
     loss_fn = loss_fn or keras.losses.MeanSquaredError()
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x, training=True))
@@ -191,6 +203,8 @@ def mirrored() -> tf.distribute.MirroredStrategy:
     Several MirroredStrategy objects in one process hand out the same
     collective instance keys, so their all-reduces can meet each other.
     """
+    import tensorflow as tf
+
     if not _MIRRORED:
         _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
     return _MIRRORED[0]

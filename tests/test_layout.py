@@ -85,9 +85,46 @@ def test_lower_layers_do_not_import_upper_ones():
         assert not above, (module, above)
     # Optimizer families know nothing of the proxy, the state or the cycle.
     for module in ("gradaccum._family", "gradaccum._keras3", "gradaccum._tf_keras", "gradaccum._families"):
-        assert graph[module] <= {
-            "gradaccum._backend", "gradaccum._family", "gradaccum._keras3"
-        }, (module, graph[module])
+        above = {m for m in graph[module] if not m.startswith("gradaccum._backend")}
+        assert above <= {"gradaccum._family", "gradaccum._keras3"}, (module, graph[module])
+
+
+def test_the_cores_of_the_backends_stand_apart():
+    """The JAX/PyTorch core imports nothing of TensorFlow's, and the
+    modules every backend imports do not import the TensorFlow core."""
+    graph = _import_graph()
+    tensorflow_core = {
+        "gradaccum._accumulation", "gradaccum._state", "gradaccum._strategies",
+        "gradaccum._tf_keras",
+    }
+    for module in graph:
+        if module.startswith("gradaccum._portable"):
+            assert not graph[module] & tensorflow_core, module
+            assert not any(m.startswith("gradaccum._backend.tensorflow") for m in graph[module]), module
+    shared = ("gradaccum", "gradaccum._proxy", "gradaccum._api", "gradaccum._engines",
+              "gradaccum._loss_scale", "gradaccum._loss_counts", "gradaccum._batch_norm")
+    for module in shared:
+        assert not graph[module] & tensorflow_core, (module, graph[module])
+
+
+def test_no_module_imports_tensorflow_at_import_time_but_the_tensorflow_core():
+    """`import gradaccum` must work where TensorFlow is not installed: only
+    the TensorFlow core and tf_keras support import it at module level."""
+    allowed = {
+        "gradaccum._accumulation", "gradaccum._state", "gradaccum._strategies",
+        "gradaccum._tf_keras",
+    }
+    for name, path in _modules().items():
+        if name in allowed or name.startswith("gradaccum._backend.tensorflow"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                roots = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            assert not roots & {"tensorflow", "tf_keras"}, name
 
 
 def test_implementation_modules_are_private():

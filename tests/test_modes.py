@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from gradaccum import AccumulatingOptimizer, accumulate
 from gradaccum._accumulation import Accumulation
-from gradaccum._backend import tensors, updates
+from gradaccum._backend.tensorflow import tensors, updates
 from gradaccum._keras3 import Keras3Family
 from tests.dist_support import replica_states
 from tests.support import (

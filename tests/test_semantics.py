@@ -478,13 +478,14 @@ def test_rejects_double_accumulation():
         accumulate(accumulate(keras.optimizers.Adam(), 2), 2)
 
 
-def test_other_keras_backends_are_refused_by_name(monkeypatch):
+def test_backends_that_cannot_train_are_refused_by_name(monkeypatch):
     """On a backend gradaccum does not run on, wrapping fails at once and
-    names it, instead of failing later inside `build` or `fit`."""
-    monkeypatch.setattr(keras.config, "backend", lambda: "jax")
-    with pytest.raises(ValueError, match="'jax'.*KERAS_BACKEND=tensorflow"):
+    names it, instead of failing later inside `build` or `fit`. (JAX and
+    PyTorch run in their own environments: tests/backends.)"""
+    monkeypatch.setattr(keras.config, "backend", lambda: "numpy")
+    with pytest.raises(ValueError, match="'numpy', which cannot train.*KERAS_BACKEND"):
         accumulate(keras.optimizers.Adam(), 2)
-    with pytest.raises(ValueError, match="'jax'"):
+    with pytest.raises(ValueError, match="'numpy'"):
         accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), 2)
 
 

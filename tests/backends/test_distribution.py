@@ -1,0 +1,50 @@
+"""Distribution through Keras's own engine on JAX: `DataParallel` over two
+devices equals one device on the large batch, and the replicas agree."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from gradaccum import accumulate
+from tests.backends.helpers import BACKEND
+from tests.support import MODES, assert_states_close, fit, full_state, make_data, make_mlp
+
+pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution runs on JAX")
+
+N, B = 4, 8  # B: the global micro-batch, split over the two devices
+
+
+def _devices():
+    import jax
+
+    devices = jax.devices()
+    assert len(devices) >= 2, (
+        "these tests need two JAX devices: set "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts "
+        "(the keras3-jax tox environment does)"
+    )
+    return devices[:2]
+
+
+@pytest.mark.parametrize("jit", (True, False))
+@pytest.mark.parametrize("mode", MODES)
+def test_data_parallel_equals_one_device_on_the_large_batch(mode, jit):
+    x, y = make_data(B * N * 3)
+    ref_model, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(ref_model, ref_opt, x, y, B * N, jit_compile=jit)
+
+    distribution = keras.distribution.DataParallel(devices=_devices())
+    with distribution.scope():
+        model = make_mlp()
+        opt = accumulate(keras.optimizers.Adam(1e-2), N, mode=mode)
+        fit(model, opt, x, y, B, jit_compile=jit)
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 3
+    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
+    # Every variable, the accumulation state's included, is replicated, and
+    # the two devices hold the same values.
+    for v in list(model.weights) + list(opt.variables):
+        shards = [np.asarray(s.data) for s in v.value.addressable_shards]
+        assert len(shards) == 2, v.path
+        assert np.array_equal(shards[0], shards[1]), v.path

@@ -1,0 +1,102 @@
+"""Keras files on the active backend: saved mid-cycle, a run resumes bit for
+bit, and `load_model` gives back an `AccumulatingOptimizer`."""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+from gradaccum import AccumulatingOptimizer, accumulate
+from tests.backends.helpers import JIT, assert_same, values
+from tests.support import MODES, make_data, make_mlp
+
+N, B = 4, 4
+
+
+def _everything(model, opt):
+    """Weights, the wrapped optimizer's variables and the accumulation state."""
+    return values(model.weights) + values(opt.variables)
+
+
+def _uninterrupted(x, y, mode, jit):
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), N, mode=mode)
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    return model, opt
+
+
+@pytest.mark.parametrize("jit", JIT)
+@pytest.mark.parametrize("mode", MODES)
+def test_keras_file_saved_mid_cycle_resumes_bit_for_bit(tmp_path, mode, jit):
+    x, y = make_data(B * 10)  # 2.5 cycles
+    reference, ref_opt = _uninterrupted(x, y, mode, jit)
+
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), N, mode=mode)
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+    model.fit(x[:B * 6], y[:B * 6], batch_size=B, shuffle=False, verbose=0)
+    assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 2
+    path = str(tmp_path / "mid_cycle.keras")
+    model.save(path)
+
+    loaded = keras.models.load_model(path, safe_mode=True)
+    assert isinstance(loaded.optimizer, AccumulatingOptimizer)
+    assert (loaded.optimizer.n, loaded.optimizer.mode) == (N, mode)
+    loaded.fit(x[B * 6:], y[B * 6:], batch_size=B, shuffle=False, verbose=0)
+    assert_same(_everything(reference, ref_opt), _everything(loaded, loaded.optimizer))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_weights_file_loaded_before_the_build_resumes_bit_for_bit(tmp_path, mode):
+    """`load_weights` into a compiled model whose optimizer is not built yet:
+    the values wait for the build (the first `fit`), the partial cycle
+    included."""
+    x, y = make_data(B * 10)
+    reference, ref_opt = _uninterrupted(x, y, mode, JIT[0])
+
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), N, mode=mode)
+    model.compile(optimizer=opt, loss="mse", jit_compile=JIT[0])
+    model.fit(x[:B * 6], y[:B * 6], batch_size=B, shuffle=False, verbose=0)
+    path = str(tmp_path / "mid_cycle.weights.h5")
+    model.save_weights(path)
+
+    resumed = make_mlp()
+    new_opt = accumulate(keras.optimizers.Adam(1e-2), N, mode=mode)
+    resumed.compile(optimizer=new_opt, loss="mse", jit_compile=JIT[0])
+    resumed.load_weights(path)
+    assert not new_opt.built
+    resumed.fit(x[B * 6:], y[B * 6:], batch_size=B, shuffle=False, verbose=0)
+    assert_same(_everything(reference, ref_opt), _everything(resumed, new_opt))
+
+
+def test_a_file_saved_with_another_n_is_refused(tmp_path):
+    x, y = make_data(B * 6)
+    model = make_mlp()
+    model.compile(optimizer=accumulate(keras.optimizers.Adam(1e-2), N), loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    path = str(tmp_path / "n4.weights.h5")
+    model.save_weights(path)
+    other = make_mlp()
+    other.compile(optimizer=accumulate(keras.optimizers.Adam(1e-2), 2), loss="mse")
+    with pytest.raises(ValueError, match="n=4"):
+        other.load_weights(path)
+
+
+def test_a_file_of_the_plain_optimizer_loads_with_an_empty_cycle(tmp_path):
+    x, y = make_data(B * 8)
+    model = make_mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    model.fit(x, y, batch_size=B * N, shuffle=False, verbose=0)
+    path = str(tmp_path / "plain.weights.h5")
+    model.save_weights(path)
+    resumed = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), N)
+    resumed.compile(optimizer=opt, loss="mse")
+    resumed.load_weights(path)
+    resumed.fit(x[:B], y[:B], batch_size=B, shuffle=False, verbose=0)
+    assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 1
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 2
+    # The slots are the plain optimizer's; the micro-batch changed none.
+    assert_same(values(opt.__wrapped__.variables), values(model.optimizer.variables))
