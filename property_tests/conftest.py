@@ -17,18 +17,21 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import tensorflow as tf  # noqa: E402
 from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
-# Same device layout as tests/conftest.py (two logical CPUs), whichever of the
-# two directories is collected first; single-device code runs on /cpu:0.
-try:
-    _cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-except RuntimeError:  # already initialised by the other conftest
-    pass
+if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+    import tensorflow as tf
+
+    # Same device layout as tests/conftest.py (two logical CPUs), whichever
+    # of the two directories is collected first; single-device code runs on
+    # /cpu:0. (On JAX and PyTorch only `property_tests/backends` runs.)
+    try:
+        _cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+    except RuntimeError:  # already initialised by the other conftest
+        pass
 
 _COMMON = dict(
     # Tracing a tf.function takes longer than Hypothesis's default deadline.

@@ -19,6 +19,10 @@ plain optimizer on the micro-batches (what n=1 must be, bit for bit).
 Tracing dominates the cost, so models are built once per shape and reset by
 assigning their saved initial weights; the optimizers are new per run (their
 traced update is cheap next to a model build).
+
+The runs work on every Keras backend: on TensorFlow in the modes "eager",
+"tf_function" and "jit"; on JAX and PyTorch eagerly (`property_tests/backends`),
+with gradients taken the backend's way (`_gradients`).
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 from hypothesis import settings
 
 from gradaccum import accumulate
+
+BACKEND = keras.config.backend()
+if BACKEND == "tensorflow":
+    import tensorflow as tf
 
 HEADS = 2
 IN_DIM = 5
@@ -270,17 +277,59 @@ class Case:
         return xs, ys
 
 
-def _rows(arrays: Sequence[np.ndarray], start: int, stop: int) -> list[tf.Tensor]:
-    return [tf.constant(a[start:stop]) for a in arrays]
+def _tensor(value: Any, dtype: str | None = None) -> Any:
+    if BACKEND == "tensorflow":
+        return tf.constant(value, dtype)
+    return keras.ops.convert_to_tensor(value, dtype)
 
 
-def _per_sample_mse(out: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-    return tf.reduce_mean(tf.square(out - y), axis=-1)
+def _rows(arrays: Sequence[np.ndarray], start: int, stop: int) -> list[Any]:
+    return [_tensor(a[start:stop]) for a in arrays]
+
+
+def _per_sample_mse(out: Any, y: Any) -> Any:
+    if BACKEND == "tensorflow":
+        return tf.reduce_mean(tf.square(out - y), axis=-1)
+    return keras.ops.mean(keras.ops.square(out - y), axis=-1)
+
+
+def _mean(x: Any) -> Any:
+    return tf.reduce_mean(x) if BACKEND == "tensorflow" else keras.ops.mean(x)
+
+
+def _add_n(terms: list[Any]) -> Any:
+    return tf.add_n(terms) if BACKEND == "tensorflow" else sum(terms[1:], terms[0])
+
+
+def _gradients(model: keras.Model, xs: Any, loss_of: Callable[[Any], Any]) -> list[Any]:
+    """The gradients of `loss_of(model outputs)` for the model's trainable
+    variables; `None` for a variable the loss does not reach (JAX: zeros)."""
+    variables = model.trainable_variables
+    if BACKEND == "tensorflow":
+        with tf.GradientTape() as tape:
+            loss = loss_of(model(xs, training=True))
+        return tape.gradient(loss, variables)
+    if BACKEND == "jax":
+        import jax
+
+        others = [v.value for v in model.non_trainable_variables]
+
+        def of(values: list[Any]) -> Any:
+            outs, _ = model.stateless_call(values, others, xs, training=True)
+            return loss_of(outs)
+
+        return jax.grad(of)([v.value for v in variables])
+    import torch
+
+    loss = loss_of(model(xs, training=True))
+    return list(torch.autograd.grad(loss, [v.value for v in variables], allow_unused=True))
 
 
 def _compile(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
     if mode == "eager":
         return fn
+    if BACKEND != "tensorflow":
+        raise ValueError(f"Mode {mode!r} is TensorFlow's; on {BACKEND} the runs are eager.")
     return tf.function(fn, jit_compile=(mode == "jit"))
 
 
@@ -288,11 +337,10 @@ def micro_step_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]
     """`step(xs, ys, heads, weight=None)`: one micro-batch, mean loss over `heads`."""
 
     def step(xs, ys, heads, weight=None):
-        with tf.GradientTape() as tape:
-            outs = model(xs, training=True)
-            loss = tf.add_n([tf.reduce_mean(_per_sample_mse(outs[h], ys[h])) for h in heads])
-            loss = opt.scale_loss(loss)
-        grads = tape.gradient(loss, model.trainable_variables)
+        def loss_of(outs):
+            return opt.scale_loss(_add_n([_mean(_per_sample_mse(outs[h], ys[h])) for h in heads]))
+
+        grads = _gradients(model, xs, loss_of)
         if weight is None:
             opt.apply_gradients(zip(grads, model.trainable_variables))
         else:
@@ -311,13 +359,11 @@ def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any
     """
 
     def step(xs, ys, weights, heads, scale):
-        with tf.GradientTape() as tape:
-            outs = model(xs, training=True)
-            loss = tf.add_n(
-                [tf.reduce_mean(weights[h] * _per_sample_mse(outs[h], ys[h])) for h in heads]
-            )
-            loss = opt.scale_loss(loss * scale)
-        grads = tape.gradient(loss, model.trainable_variables)
+        def loss_of(outs):
+            loss = _add_n([_mean(weights[h] * _per_sample_mse(outs[h], ys[h])) for h in heads])
+            return opt.scale_loss(loss * scale)
+
+        grads = _gradients(model, xs, loss_of)
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
     return _compile(step, mode)
@@ -336,6 +382,8 @@ def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
     """
     out = {}
     for v in optimizer_variables(optimizer):
+        if v.path.rsplit("/", 1)[-1].startswith("gradaccum_"):
+            continue  # the accumulation state (listed on JAX and PyTorch)
         path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
         key, k = f"opt/{path}", 1
         while key in out:
@@ -528,7 +576,7 @@ def run_subject(case: Case, resume_at: int | None = None):
             applies = (i + 1) % case.n == 0
             before = full_state(model, opt) if opt.built else model_state(model)
             lo, hi = case.start(i), case.start(i + 1)
-            weight = tf.constant(float(case.size(i))) if case.weighted else None
+            weight = _tensor(float(case.size(i))) if case.weighted else None
             step(_rows(xs, lo, hi), _rows(ys, lo, hi), case.heads[i], weight)
             applied += applies
             assert int(accumulating(opt).micro_step) == (i + 1) % case.n, f"micro-step {i}"
@@ -575,7 +623,7 @@ def run_reference(case: Case, scale: float | None = None):
         for heads in cycle_heads:
             seen.update(heads)
         weights = [
-            tf.constant(np.repeat([float(h in heads) for heads in cycle_heads], sizes), tf.float32)
+            _tensor(np.repeat([float(h in heads) for heads in cycle_heads], sizes), "float32")
             for h in range(HEADS)
         ]
         if scale is not None:
@@ -586,7 +634,7 @@ def run_reference(case: Case, scale: float | None = None):
             factor = float(sum(sizes)) if case.weighted else float(n)
         lo, hi = case.cycle_range(c)
         step(_rows(xs, lo, hi), _rows(ys, lo, hi), weights, tuple(sorted(seen)),
-             tf.constant(factor, tf.float32))
+             _tensor(factor, "float32"))
     return full_state(model, opt), model, opt
 
 
@@ -611,11 +659,10 @@ def run_summed(case: Case):
     variables = model.trainable_variables
 
     def grads_of(xb, yb, heads):
-        with tf.GradientTape() as tape:
-            outs = model(xb, training=True)
-            loss = tf.add_n([tf.reduce_mean(_per_sample_mse(outs[h], yb[h])) for h in heads])
-            loss = opt.scale_loss(loss)
-        return tape.gradient(loss, variables)
+        def loss_of(outs):
+            return opt.scale_loss(_add_n([_mean(_per_sample_mse(outs[h], yb[h])) for h in heads]))
+
+        return _gradients(model, xb, loss_of)
 
     def apply(grads, indices):
         opt.apply_gradients(zip(grads, [variables[i] for i in indices]))
@@ -623,21 +670,21 @@ def run_summed(case: Case):
     grads_of, apply = _compile(grads_of, case.mode), _compile(apply, case.mode)
     seen: set[int] = set()
     for c in range(case.cycles):
-        sums: dict[int, tf.Tensor] = {}
-        total = tf.constant(0.0)
+        sums: dict[int, Any] = {}
+        total = _tensor(0.0)
         for i in range(c * case.n, (c + 1) * case.n):
             lo, hi = case.start(i), case.start(i + 1)
-            w = tf.constant(float(case.size(i))) if case.weighted else None
+            w = _tensor(float(case.size(i))) if case.weighted else None
             for k, g in enumerate(grads_of(_rows(xs, lo, hi), _rows(ys, lo, hi), case.heads[i])):
                 if g is None:
                     continue
-                g = tf.convert_to_tensor(g)
+                g = tf.convert_to_tensor(g) if BACKEND == "tensorflow" else g
                 g = g if w is None else g * w
                 sums[k] = g if k not in sums else sums[k] + g
                 seen.add(k)
-            total = total + (tf.constant(1.0) if w is None else w)
+            total = total + (_tensor(1.0) if w is None else w)
         included = sorted(seen)
-        grads = [sums.get(k, tf.zeros_like(variables[k])) for k in included]
+        grads = [sums.get(k, keras.ops.zeros_like(variables[k])) for k in included]
         if case.reduction == "mean":
             grads = [g / total for g in grads]
         apply(grads, tuple(included))

@@ -19,7 +19,14 @@ equal the model's bit for bit (`np.array_equal`).
 
 `n` is an int (which the rules may set) or a schedule: a drawn table of
 `n` per applied update, its last entry repeated, passed as a callable of
-`iterations` written with TensorFlow ops.
+`iterations` written with Keras ops.
+
+On JAX and PyTorch (`property_tests/backends`) the machine runs the same
+rules eagerly, with these differences: gradients are dense (only TensorFlow
+has `tf.IndexedSlices`), checkpoints are the Keras-file stores
+(`save_own_variables`/`load_own_variables`) instead of `tf.train.Checkpoint`,
+counters are read eagerly only, and on JAX no loss-scale optimizer joins in
+(Keras's cannot run eagerly there; see `tests/backends/test_mixed_precision.py`).
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ import shutil
 import tempfile
 from typing import Any
 
+import keras
 import numpy as np
-import tensorflow as tf
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -43,12 +50,16 @@ from hypothesis.stateful import (
 
 from gradaccum import accumulate
 
+BACKEND = keras.config.backend()
+if BACKEND == "tensorflow":
+    import tensorflow as tf
+
 # (name, shape); "table" may get `tf.IndexedSlices` gradients, like an
 # Embedding's.
 VARIABLES = (("kernel", (3, 2)), ("bias", (2,)), ("table", (6, 2)))
 SPARSE = 2
 # Loss-scaled gradients are scaled by a power of two, so unscaling is exact.
-WRAPS = ("none", "accumulate_lso", "lso_accumulate")
+WRAPS = ("none",) if BACKEND == "jax" else ("none", "accumulate_lso", "lso_accumulate")
 # `n`: an int, or a schedule given as the table of n for updates 0, 1, ...
 NS = st.one_of(
     st.integers(1, 4),
@@ -81,9 +92,28 @@ def _n_argument(n: int | tuple[int, ...]) -> Any:
     """What `accumulate` is given for a drawn `n`."""
     if isinstance(n, int):
         return n
-    table = tf.constant(n, tf.int64)
+    ops = keras.ops
+    table = ops.convert_to_tensor(n, "int32")
     last = len(n) - 1
-    return lambda step: tf.gather(table, tf.minimum(tf.cast(step, tf.int64), last))
+    return lambda step: ops.take(table, ops.minimum(ops.cast(step, "int32"), last))
+
+
+def _tensor(values: np.ndarray) -> Any:
+    if BACKEND == "tensorflow":
+        return tf.constant(values)
+    return keras.ops.convert_to_tensor(values)
+
+
+def _saveables(optimizer: Any) -> list[Any]:
+    """The optimizer and the inner optimizers a Keras file saves under it."""
+    found = [optimizer]
+    while getattr(found[-1], "inner_optimizer", None) is not None:
+        found.append(found[-1].inner_optimizer)
+    return found
+
+
+def _sparse(values: np.ndarray, rows: np.ndarray, shape: tuple[int, ...]) -> Any:
+    return tf.IndexedSlices(tf.constant(values), tf.constant(rows), tf.constant(shape, tf.int64))
 
 
 def _initial_values() -> list[np.ndarray]:
@@ -287,7 +317,7 @@ class MachineBase(RuleBasedStateMachine):
         for i, ((_, shape), kind) in enumerate(zip(VARIABLES, kinds)):
             if kind == "none":
                 grads.append(None)
-            elif kind == "sparse" and i == SPARSE:
+            elif kind == "sparse" and i == SPARSE and BACKEND == "tensorflow":
                 rows = data.draw(
                     st.lists(st.integers(0, shape[0] - 1), min_size=1,
                              max_size=shape[0], unique=True),
@@ -322,10 +352,9 @@ class MachineBase(RuleBasedStateMachine):
             if model.scale is not None:
                 values = values * np.float32(model.scale)
             if kind == "sparse":
-                to_tf.append(tf.IndexedSlices(tf.constant(values), tf.constant(rows),
-                                              tf.constant(shape, tf.int64)))
+                to_tf.append(_sparse(values, rows, shape))
             else:
-                to_tf.append(tf.constant(values))
+                to_tf.append(_tensor(values))
         if model.scale is not None:
             to_tf = self._unscaled(to_tf)
         if weight is None:
@@ -360,7 +389,7 @@ class MachineBase(RuleBasedStateMachine):
     def _apply_cycle(self) -> None:
         included, grads = self.model.update()
         self.shadow.apply_gradients(
-            zip([tf.constant(g) for g in grads], [self.shadow_vars[i] for i in included])
+            zip([_tensor(g) for g in grads], [self.shadow_vars[i] for i in included])
         )
         self.model.clear()
 
@@ -383,17 +412,24 @@ class MachineBase(RuleBasedStateMachine):
     def _shadow_grad(g, i):
         kind, values, rows = g
         if kind == "sparse":
-            return tf.IndexedSlices(tf.constant(values), tf.constant(rows),
-                                    tf.constant(VARIABLES[i][1], tf.int64))
-        return tf.constant(values)
+            return _sparse(values, rows, VARIABLES[i][1])
+        return _tensor(values)
 
     @rule(target=checkpoints)
     def write_checkpoint(self):
         """Saves variables and optimizer mid-cycle; remembers the model."""
         self.saved += 1
-        path = tf.train.Checkpoint(vars=self.vars, optimizer=self.opt).write(
-            os.path.join(self.tmp, f"ckpt-{self.saved}")
-        )
+        if BACKEND == "tensorflow":
+            path = tf.train.Checkpoint(vars=self.vars, optimizer=self.opt).write(
+                os.path.join(self.tmp, f"ckpt-{self.saved}")
+            )
+        else:  # what a Keras file holds: one store per optimizer, outer first
+            stores = []
+            for opt in _saveables(self.opt):
+                store: dict[str, np.ndarray] = {}
+                opt.save_own_variables(store)
+                stores.append(store)
+            path = ([v.numpy() for v in self.vars], stores)
         shadow = ([v.numpy() for v in self.shadow_vars],
                   [v.numpy() for v in self._optimizer_variables(self.shadow)])
         return path, self.model.copy(), shadow
@@ -405,8 +441,16 @@ class MachineBase(RuleBasedStateMachine):
         self.n = _n_argument(model.n)  # a checkpoint restores into the same `n` only
         self.vars = self._variables([np.zeros(s, np.float32) for _, s in VARIABLES])
         self.opt, self.inner = self._subject()
-        status = tf.train.Checkpoint(vars=self.vars, optimizer=self.opt).read(path)
-        status.assert_consumed()
+        if BACKEND == "tensorflow":
+            status = tf.train.Checkpoint(vars=self.vars, optimizer=self.opt).read(path)
+            status.assert_consumed()
+        else:
+            values, stores = path
+            for v, value in zip(self.vars, values):
+                v.assign(value)
+            # Keras loads an object's own variables, then its children's.
+            for opt, store in zip(_saveables(self.opt), stores):
+                opt.load_own_variables(dict(store))
         self.model = model.copy()
         for v, value in zip(self.shadow_vars, shadow_vars):
             v.assign(value)
@@ -420,7 +464,9 @@ class MachineBase(RuleBasedStateMachine):
         """Reading `micro_step`/`iterations`, eagerly or traced, changes nothing."""
         if self.read_fn is None:
             opt, acc_opt = self.opt, self.acc_opt
-            self.read_fn = tf.function(lambda: (acc_opt.micro_step, opt.iterations))
+            self.read_fn = lambda: (acc_opt.micro_step, opt.iterations)
+            if BACKEND == "tensorflow":
+                self.read_fn = tf.function(self.read_fn)
         micro_step, iterations = self.read_fn()
         assert int(micro_step) == int(self.acc_opt.micro_step) == self.model.count
         assert int(iterations) == int(self.opt.iterations) == self.model.applied

@@ -201,6 +201,7 @@ def cases(
     max_cycles: int = 3,
     heads_vary_when_traced: bool = False,
     weighted: bool = False,
+    loss_scales: tuple[str | None, ...] = (None, None, None, "accumulate_lso", "lso_accumulate"),
 ) -> Case:
     """A drawn training run (see `harness.Case`).
 
@@ -220,13 +221,13 @@ def cases(
         heads = tuple(draw(st.lists(head_sets, min_size=steps, max_size=steps)))
     else:
         heads = (draw(head_sets),) * steps
-    loss_scale = draw(st.sampled_from([None, None, None, "accumulate_lso", "lso_accumulate"]))
+    loss_scale = draw(st.sampled_from(loss_scales))
     sizes = None
     if weighted and draw(st.integers(0, 2)) == 0:
         # Ragged micro-batches, each weighted by its size (two sizes: each
         # new shape retraces a traced step).
         sizes = tuple(draw(st.lists(st.sampled_from([3, 1]), min_size=steps, max_size=steps)))
-        if loss_scale == "lso_accumulate":
+        if loss_scale == "lso_accumulate" and "accumulate_lso" in loss_scales:
             # LossScaleOptimizer.apply_gradients takes no `weight`.
             loss_scale = "accumulate_lso"
     return Case(
