@@ -23,8 +23,9 @@ accumulation itself.
     steps, decided where a branch may be taken).
 - `portable`, used by the core for JAX and PyTorch (`gradaccum._portable`),
   which is written with Keras ops: whether a value is traced (`is_traced`),
-  a value kept past later writes (`snapshot`), and a branch that JAX can
-  trace (`run_if`).
+  adding, dividing and clearing accumulators (in place on PyTorch:
+  `add_into`, `quotient`, `divide_in_place`, `clear`), a value kept past
+  later writes (`snapshot`), and a branch that JAX can trace (`run_if`).
 
 Importing this package imports no backend: on JAX and PyTorch TensorFlow
 need not be installed. `check_supported()` refuses a backend that cannot

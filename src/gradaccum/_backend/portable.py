@@ -1,4 +1,4 @@
-"""Branches and snapshots on JAX and PyTorch, where optimizers run on Keras ops.
+"""Writes, branches and snapshots on JAX and PyTorch, where optimizers run on Keras ops.
 
 On JAX, `model.fit` and `optimizer.stateless_apply` run the optimizer inside
 a `StatelessScope`, usually traced by `jax.jit`: a variable's write is

@@ -6,13 +6,21 @@ and advances the micro-step counter; the step that completes the cycle hands
 the wrapped optimizer the accumulated mean (or sum) once, and clears the
 accumulators:
 
-- `"masked"`: every micro-step runs the wrapped optimizer's update; the
-  previous values of the model's and the optimizer's variables are kept
-  unless the step completes the cycle, one `where` per variable. No branch.
-- `"skip"`: the update runs only on the step that completes the cycle (a
-  Python `if`, or a `jax.lax.cond` when traced; see `control.run_if`).
+The update runs only on the step that completes the cycle, in both modes:
+where that is known before the update would run (PyTorch, and JAX outside
+`jit`) under Python's `if`, with the accumulators written in place; traced
+by JAX, in a `jax.lax.cond` whose branches are pure functions of the
+variables' values (`gradaccum._backend.portable.run_if`). On TensorFlow the
+masked mode keeps every collective of the update on every micro-step,
+because `tf.distribute` all-reduces inside `apply_gradients`. Here the
+update holds no communication: JAX's compiled step averages the gradients
+over devices before the optimizer runs (a collective in an optimizer over
+sharded variables sits in the `cond` of every device alike, its predicate
+being replicated), and Keras trains PyTorch on one device. So `mode` makes
+no difference to what runs on these backends; it is kept, saved and
+restored as given, so that code and files move between backends.
 
-Either way the micro-steps in between change no model variable and no
+So the micro-steps in between change no model variable and no
 optimizer state, so `iterations`, schedules, EMA, clipping, weight decay and
 constraints see what training on the large batch sees.
 
@@ -338,13 +346,12 @@ class Accumulation:
             return
         model = list(self.family.trainable_variables())
         watched = model + [v for v in _watched(self.family.optimizer) if id(v) not in {id(m) for m in model}]
-        if self.mode == "masked":
-            before = [control.snapshot(v) for v in watched]
-            update()
-            for v, old in zip(watched, before):
-                v.assign(ops.where(ends, v.value, old))
-        else:
-            control.run_if(ends, update, watched)
+        # Traced by JAX, both modes run the update in a `jax.lax.cond`: a
+        # select between the update's new values and the old ones (a pure
+        # masked update) costs XLA on the CPU six times the update itself
+        # (benchmarks/RESULTS.md), and the update holds no communication a
+        # branch could put out of step (see the module docstring).
+        control.run_if(ends, update, watched)
         for i in indices:
             acc = state.accumulators[i]
             acc.assign(ops.where(ends, ops.zeros_like(acc.value), acc.value))
