@@ -26,7 +26,7 @@ from gradaccum._cycle import CycleLength
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import AccumulationState, State
 from gradaccum._strategies import CycleStrategy, choose, deliver
-from gradaccum._validation import check_weight, check_weight_value
+from gradaccum._validation import check_step_arguments, check_weight, check_weight_value
 
 
 def _name(variable: Any, default: str) -> str:
@@ -240,25 +240,9 @@ class Accumulation:
         # An explicit weight wins over the loss's count; taken either way,
         # so that a count never outlives its step.
         count = self._take_count()
-        grads = list(grads)
-        if variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When `trainable_variables` is omitted the optimizer must "
-                    "already be built: call `optimizer.build(variables)` first."
-                )
-            if len(grads) != len(self.state.variables):
-                raise ValueError(
-                    f"Received {len(grads)} gradients for an optimizer built "
-                    f"for {len(self.state.variables)} variables."
-                )
-            variables = self.state.variables
-        else:
-            variables = list(variables)
-            if len(grads) != len(variables):
-                raise ValueError(
-                    f"Received {len(grads)} gradients for {len(variables)} variables."
-                )
+        grads, variables = check_step_arguments(
+            grads, variables, self.state.variables if self.built else None
+        )
         if not grads:
             return
         if not self.built:

@@ -166,3 +166,37 @@ def check_agc_exclude(exclude: Any) -> Any:
                 f"{expected} Received an entry {entry!r} of type {type(entry).__name__}."
             )
     return entries
+
+
+def check_step_arguments(
+    grads: Any, variables: Any, built_variables: list[Any] | None
+) -> tuple[list[Any], list[Any]]:
+    """The gradients and variables of one micro-step, as lists.
+
+    Args:
+        grads: One gradient per variable.
+        variables: The variables, or None for those the optimizer was built
+            for.
+        built_variables: Those, or None if the optimizer is not built.
+
+    Raises:
+        ValueError: If `variables` is omitted before the optimizer is built,
+            or the counts differ.
+    """
+    grads = list(grads)
+    if variables is None:
+        if built_variables is None:
+            raise ValueError(
+                "When `trainable_variables` is omitted the optimizer must "
+                "already be built: call `optimizer.build(variables)` first."
+            )
+        if len(grads) != len(built_variables):
+            raise ValueError(
+                f"Received {len(grads)} gradients for an optimizer built "
+                f"for {len(built_variables)} variables."
+            )
+        return grads, list(built_variables)
+    variables = list(variables)
+    if len(grads) != len(variables):
+        raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables.")
+    return grads, variables

@@ -265,3 +265,17 @@ def test_adaptive_gradient_clipping_clips_the_large_batch_gradient(mode):
         lambda o: accumulate(o, 4, mode=mode, agc=factor, agc_eps=eps),
     )
     assert_states_close(full_state(model, ref), acc)
+
+
+def test_apply_without_variables_needs_a_built_optimizer_and_matching_gradients():
+    model = make_mlp()
+    x, y = make_data(4)
+    grads = gradients(model, x, y)
+    opt = accumulate(keras.optimizers.SGD(1e-2), 2)
+    with pytest.raises(ValueError, match="must already be built"):
+        opt.apply(grads)
+    opt.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="Received 1 gradients for an optimizer built for 4"):
+        opt.apply(grads[:1])
+    with pytest.raises(ValueError, match="Received 1 gradients for 4 variables"):
+        opt.apply(grads[:1], model.trainable_variables)

@@ -45,7 +45,7 @@ from gradaccum._backend import portable as control
 from gradaccum._portable.state import State
 from gradaccum._cycle import CycleLength
 from gradaccum._family import OptimizerFamily
-from gradaccum._validation import check_weight, check_weight_value
+from gradaccum._validation import check_step_arguments, check_weight, check_weight_value
 from gradaccum._view import AccumulationState
 
 
@@ -229,23 +229,9 @@ class Accumulation:
         else:
             weight, self._handed_weight = self._handed_weight, None
         count, self._count = self._count, None
-        grads = list(grads)
-        if variables is None:
-            if not self.built:
-                raise ValueError(
-                    "When `trainable_variables` is omitted the optimizer must "
-                    "already be built: call `optimizer.build(variables)` first."
-                )
-            if len(grads) != len(self.state.variables):
-                raise ValueError(
-                    f"Received {len(grads)} gradients for an optimizer built "
-                    f"for {len(self.state.variables)} variables."
-                )
-            variables = self.state.variables
-        else:
-            variables = list(variables)
-            if len(grads) != len(variables):
-                raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables.")
+        grads, variables = check_step_arguments(
+            grads, variables, self.state.variables if self.built else None
+        )
         if not grads:
             return
         if not self.built:
