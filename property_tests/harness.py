@@ -684,7 +684,10 @@ def run_summed(case: Case):
                 seen.add(k)
             total = total + (_tensor(1.0) if w is None else w)
         included = sorted(seen)
-        grads = [sums.get(k, keras.ops.zeros_like(variables[k])) for k in included]
+        grads = [
+            sums[k] if k in sums else keras.ops.zeros(tuple(variables[k].shape), variables[k].dtype)
+            for k in included
+        ]
         if case.reduction == "mean":
             grads = [g / total for g in grads]
         apply(grads, tuple(included))
