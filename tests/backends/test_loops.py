@@ -222,6 +222,56 @@ def test_stateless_apply_inside_jit_matches_large_batch(mode):
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
+def test_a_cycle_after_jit_starts_afresh_and_files_and_views_show_no_stale_sums():
+    # Traced, the update leaves the applied cycle's sums in the accumulators
+    # (clearing them would copy the parameters on every micro-step); the
+    # next cycle's first micro-step writes over them, here eagerly.
+    import jax
+
+    x, y = make_data(48)
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
+
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4)
+    opt.build(model.trainable_variables)
+    others = [v.value for v in model.non_trainable_variables]
+    loss = keras.losses.MeanSquaredError()
+
+    @jax.jit
+    def step(trainable, optimizer_values, xb, yb):
+        def of(values):
+            y_pred, _ = model.stateless_call(values, others, xb, training=True)
+            return loss(yb, y_pred)
+
+        return opt.stateless_apply(optimizer_values, jax.grad(of)(trainable), trainable)
+
+    batches = _split(x, y, [4] * 12)
+    trainable = [v.value for v in model.trainable_variables]
+    optimizer_values = [v.value for v in opt.variables]
+    for xb, yb in batches[:4]:  # one whole cycle, traced
+        trainable, optimizer_values = step(trainable, optimizer_values, xb, yb)
+    for v, value in zip(model.trainable_variables, trainable):
+        v.assign(value)
+    for v, value in zip(opt.variables, optimizer_values):
+        v.assign(value)
+    raw = [v for v in opt.variables if "gradaccum_accumulator" in v.name]
+    assert any(np.any(keras.ops.convert_to_numpy(v)) for v in raw), "nothing stale to test"
+    store = {}
+    opt.save_own_variables(store)
+    saved = [k for k in store if "accumulator_" in k]
+    assert saved and not any(np.any(store[k]) for k in saved)
+
+    for xb, yb in batches[4:]:  # two more cycles, eagerly
+        opt.apply(gradients(model, xb, yb), model.trainable_variables)
+    assert_states_close(ref, full_state(model, opt))
+    for xb, yb in batches[:2]:  # a cycle begun, then one not begun
+        opt.apply(gradients(model, xb, yb), model.trainable_variables)
+    assert all(np.any(keras.ops.convert_to_numpy(a)) for a in opt.accumulation_state.accumulators)
+    opt.flush()
+    assert not any(np.any(keras.ops.convert_to_numpy(a)) for a in opt.accumulation_state.accumulators)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
 def test_stateless_apply_refuses_the_wrong_number_of_values():
     model = make_mlp()
     opt = accumulate(keras.optimizers.Adam(1e-2), 4)

@@ -34,16 +34,37 @@ def snapshot(variable: Any) -> Any:
     return value
 
 
-def add_into(accumulator: Any, grad: Any, weight: Any = None) -> None:
-    """`accumulator += grad * weight` (or `+= grad`), in place on PyTorch."""
+def add_into(accumulator: Any, grad: Any, weight: Any = None, fresh: Any = False) -> None:
+    """`accumulator += grad * weight` (or `+= grad`), in place on PyTorch.
+
+    If `fresh` (a cycle's first micro-step), the accumulator is set to the
+    gradient instead: what it held belongs to the cycle already applied (see
+    `gradaccum._portable.state`). Traced, that choice is one select fused
+    with the addition, which XLA writes into the accumulator's own buffer.
+    """
     ops = keras.ops
     grad = ops.cast(grad, accumulator.dtype)
     if weight is not None:
         grad = grad * ops.cast(weight, accumulator.dtype)
-    if keras.config.backend() == "torch":
-        accumulator.value.add_(grad)
+    if is_traced(fresh):
+        accumulator.assign(ops.where(fresh, grad, accumulator.value + grad))
+    elif keras.config.backend() == "torch":
+        if bool(fresh):
+            accumulator.value.copy_(grad)
+        else:
+            accumulator.value.add_(grad)
     else:
-        accumulator.assign(accumulator.value + grad)
+        accumulator.assign(grad if bool(fresh) else accumulator.value + grad)
+
+
+def clear_if(accumulator: Any, fresh: Any) -> None:
+    """Zeroes the accumulator if `fresh`: for a variable that takes part in
+    updates but has no gradient in a cycle's first micro-step."""
+    if is_traced(fresh):
+        value = accumulator.value
+        accumulator.assign(keras.ops.where(fresh, keras.ops.zeros_like(value), value))
+    elif bool(fresh):
+        clear(accumulator)
 
 
 def quotient(value: Any, divisor: Any) -> Any:

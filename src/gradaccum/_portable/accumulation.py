@@ -3,8 +3,8 @@
 The same cycle as on TensorFlow (`gradaccum._accumulation`), written with
 Keras ops. A micro-step adds the (weighted) gradients into the accumulators
 and advances the micro-step counter; the step that completes the cycle hands
-the wrapped optimizer the accumulated mean (or sum) once, and clears the
-accumulators:
+the wrapped optimizer the accumulated mean (or sum) once; the next cycle's
+first micro-step writes over the sums (`gradaccum._portable.state`).
 
 The update runs only on the step that completes the cycle, in both modes:
 where that is known before the update would run (PyTorch, and JAX outside
@@ -158,6 +158,7 @@ class Accumulation:
         state = self.state
         if state is None:
             return None
+        state.settle()
         return AccumulationState(
             variables=tuple(state.variables),
             accumulators=tuple(state.accumulators),
@@ -250,11 +251,20 @@ class Accumulation:
         if weight is None:
             # A count Keras divided the loss by (never negative).
             weight = count
+        # The accumulators still hold the last cycle's sums after it was
+        # applied (see `gradaccum._portable.state`): a cycle's first
+        # micro-step writes over them.
+        fresh = ops.equal(state.micro_step.value, 0)
+        added = set()
         for i, g in zip(indices, grads):
             if g is None:
                 continue
             state.seen[i] = True
-            control.add_into(state.accumulators[i], g, weight)
+            added.add(i)
+            control.add_into(state.accumulators[i], g, weight, fresh)
+        for i in state.participants():
+            if i not in added:
+                control.clear_if(state.accumulators[i], fresh)
         added = 1.0 if weight is None else ops.cast(weight, "float32")
         state.weight_total.assign(state.weight_total.value + added)
         steps = state.micro_step.value + 1
@@ -323,8 +333,6 @@ class Accumulation:
                     sums = [control.divide_in_place(acc, ops.where(total > 0, total, 1.0)) for acc in accumulators]
                     divide = False
                 update()
-                for acc in accumulators:
-                    control.clear(acc)
                 state.weight_total.assign(0.0)
                 state.micro_step.assign(0)
             else:
@@ -338,9 +346,10 @@ class Accumulation:
         # (benchmarks/RESULTS.md), and the update holds no communication a
         # branch could put out of step (see the module docstring).
         control.run_if(ends, update, watched)
-        for i in indices:
-            acc = state.accumulators[i]
-            acc.assign(ops.where(ends, ops.zeros_like(acc.value), acc.value))
+        # The accumulators are not cleared here: a select writing zeros
+        # would keep each sum alive beside the `cond` that reads it, a copy
+        # of the parameters on every micro-step (benchmarks/RESULTS.md).
+        # The next cycle's first micro-step writes over them instead.
         state.weight_total.assign(ops.where(ends, 0.0, total))
         state.micro_step.assign(ops.where(ends, 0, steps))
 

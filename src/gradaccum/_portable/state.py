@@ -8,6 +8,14 @@ micro-batch weights and, for an int `n`, `n` itself: all of them listed by
 with it; reading `n` from a variable lets `opt.n = 8` take effect between
 `fit` calls without tracing again.
 
+An accumulator's value counts only while the cycle has begun (`micro_step`
+above 0). The update does not clear the accumulators: traced by JAX, a
+select writing zeros after the `cond` that reads the sums would keep each
+sum alive beside it, a copy of the parameters on every micro-step. A
+cycle's first micro-step writes over them instead
+(`gradaccum._backend.portable.add_into`), and what is seen or saved of a
+cycle not begun is zeros (`settle`, `save`).
+
 Which variables take part in updates (those that have received a gradient)
 is known while a step is traced, and kept in Python. Keras files hold the
 same `gradaccum_*` keys as on TensorFlow (`gradaccum._store`).
@@ -19,7 +27,9 @@ from typing import Any, Sequence
 
 import keras
 import numpy as np
+from keras.src.backend.common.stateless_scope import in_stateless_scope
 
+from gradaccum._backend.portable import clear, is_traced
 from gradaccum._store import (
     _REDUCTION_CODES,
     KEY,
@@ -95,6 +105,19 @@ class State:
     def participants(self) -> list[int]:
         return [i for i, seen in enumerate(self.seen) if seen]
 
+    def begun(self) -> bool:
+        """Whether the current cycle holds a micro-batch (outside a trace)."""
+        return int(keras.ops.convert_to_numpy(self.micro_step.value)) > 0
+
+    def settle(self) -> None:
+        """Zeroes the accumulators between cycles, where they still hold the
+        sums of the cycle last applied; a no-op inside a trace or a
+        `StatelessScope`, whose writes would not last."""
+        if in_stateless_scope() or is_traced(self.micro_step.value) or self.begun():
+            return
+        for acc in self.accumulators:
+            clear(acc)
+
     def save(self, store: Any) -> None:
         """Writes the state into a Keras weights store (the TensorFlow keys)."""
         store[f"{KEY}n"] = np.asarray(self.n_code, dtype=np.int64)
@@ -103,8 +126,10 @@ class State:
         store[f"{KEY}weight_total"] = np.asarray(keras.ops.convert_to_numpy(self.weight_total))
         store[f"{KEY}seen"] = np.asarray(self.seen, dtype=bool)
         store[f"{KEY}names"] = _encode_names(relative_names(self.variables))
+        begun = self.begun()
         for i, acc in enumerate(self.accumulators):
-            store[f"{KEY}accumulator_{i}"] = np.asarray(keras.ops.convert_to_numpy(acc))
+            value = np.asarray(keras.ops.convert_to_numpy(acc))
+            store[f"{KEY}accumulator_{i}"] = value if begun else np.zeros_like(value)
 
     def load(self, store: Any) -> None:
         """Reads what `save` wrote, here or on TensorFlow.
