@@ -70,19 +70,28 @@ class Keras3Family(FamilyBase):
         directly (Nadam's `_u_product`, Adafactor's placeholders) are then
         missing from that list; they are found among its attributes.
         """
-        variables = list(self.optimizer.variables)
-        known = {id(v) for v in variables}
-        known |= {id(v) for v in self.optimizer._trainable_variables}
-        for value in vars(self.optimizer).values():
-            for v in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(v, keras.Variable) and id(v) not in known:
-                    known.add(id(v))
-                    variables.append(v)
+        variables = list(self.optimizer.variables) + self.untracked_variables()
         if keras.config.backend() != "tensorflow":
             return variables
         from gradaccum._backend.tensorflow import distribution
 
         return [distribution.tf_variable(v) for v in variables]
+
+    def untracked_variables(self) -> list[Any]:
+        """The optimizer state missing from `optimizer.variables` (see
+        `state_variables`), in the order of the optimizer's attributes.
+
+        Keras's own files do not hold these; the proxy saves them itself.
+        """
+        known = {id(v) for v in self.optimizer.variables}
+        known |= {id(v) for v in self.optimizer._trainable_variables}
+        found = []
+        for value in vars(self.optimizer).values():
+            for v in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(v, keras.Variable) and id(v) not in known:
+                    known.add(id(v))
+                    found.append(v)
+        return found
 
     def model_variable(self, variable: Any) -> tf.Variable:
         from gradaccum._backend.tensorflow import distribution

@@ -27,7 +27,7 @@ import wrapt
 from gradaccum import _backend, _engines, _families, _saving
 from gradaccum._agc import AdaptiveClipping
 from gradaccum._family import OptimizerFamily
-from gradaccum._store import CHILD, check_saved_settings, owns_key, read_store
+from gradaccum._store import CHILD, UNTRACKED, check_saved_settings, owns_key, read_store
 from gradaccum._view import AccumulationState
 from gradaccum._validation import (
     check_mode,
@@ -722,11 +722,28 @@ class _Core(AccumulatingOptimizer):
 
     def _save_now(self, store: Any) -> None:
         self.__wrapped__.save_own_variables(store)
+        # Built by a LossScaleOptimizer, the wrapped optimizer lists no
+        # variable its `build` created directly (Nadam's `_u_product`), and
+        # Keras's file would lose them.
+        for k, v in enumerate(self._self_family.untracked_variables()):
+            store[f"{UNTRACKED}{k}"] = np.asarray(keras.ops.convert_to_numpy(v))
         state = self._self_accumulation.state
         if state is not None:
             state.save(store)
 
     def _load_now(self, values: dict[str, np.ndarray]) -> None:
         self.__wrapped__.load_own_variables({k: v for k, v in values.items() if not owns_key(k)})
-        if any(owns_key(k) for k in values):
-            self._self_accumulation.state.load(values)
+        untracked = [k for k in values if k.startswith(UNTRACKED)]
+        if untracked:
+            targets = self._self_family.untracked_variables()
+            if len(targets) != len(untracked):
+                raise ValueError(
+                    f"The file holds {len(untracked)} optimizer variables that "
+                    f"the wrapped optimizer does not list in `variables`, but "
+                    f"this one has {len(targets)}: it was saved from another "
+                    "optimizer or wrapping (a LossScaleOptimizer around it or not)."
+                )
+            for k, v in enumerate(targets):
+                v.assign(np.asarray(values[f"{UNTRACKED}{k}"]))
+        if any(owns_key(k) and not k.startswith(UNTRACKED) for k in values):
+            self._self_accumulation.state.load({k: v for k, v in values.items() if not k.startswith(UNTRACKED)})

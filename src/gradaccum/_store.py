@@ -14,6 +14,8 @@ import numpy as np
 # The proxy's checkpoint child, and the prefix of its keys in Keras files.
 CHILD = "gradient_accumulation"
 KEY = "gradaccum_"
+# Optimizer state a Keras file would lose (`Keras3Family.untracked_variables`).
+UNTRACKED = f"{KEY}untracked_"
 _REDUCTION_CODES = {"mean": 0, "sum": 1}
 
 

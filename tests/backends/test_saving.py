@@ -100,3 +100,30 @@ def test_a_file_of_the_plain_optimizer_loads_with_an_empty_cycle(tmp_path):
     assert int(keras.ops.convert_to_numpy(opt.iterations)) == 2
     # The slots are the plain optimizer's; the micro-batch changed none.
     assert_same(values(opt.__wrapped__.variables), values(model.optimizer.variables))
+
+
+def _nadam_in_lso(wrapping):
+    nadam = keras.optimizers.Nadam(1e-2)
+    if wrapping == "accumulate(LSO)":
+        return accumulate(keras.optimizers.LossScaleOptimizer(nadam), N)
+    return keras.optimizers.LossScaleOptimizer(accumulate(nadam, N))
+
+
+@pytest.mark.parametrize("wrapping", ["accumulate(LSO)", "LSO(accumulate)"])
+def test_state_a_loss_scale_optimizer_hides_from_keras_files_is_kept(tmp_path, wrapping):
+    # A LossScaleOptimizer builds its inner optimizer with Keras's tracking
+    # off, so Nadam's `_u_product` is missing from `variables`, and Keras's
+    # file of the plain LossScaleOptimizer(Nadam) loses it.
+    x, y = make_data(B * 10)
+    reference = make_mlp()
+    reference.compile(optimizer=_nadam_in_lso(wrapping), loss="mse", jit_compile=JIT[0])
+    reference.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+
+    model = make_mlp()
+    model.compile(optimizer=_nadam_in_lso(wrapping), loss="mse", jit_compile=JIT[0])
+    model.fit(x[:B * 6], y[:B * 6], batch_size=B, shuffle=False, verbose=0)  # 1 update, 2 micro-steps
+    path = str(tmp_path / "nadam.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, safe_mode=True)
+    loaded.fit(x[B * 6:], y[B * 6:], batch_size=B, shuffle=False, verbose=0)
+    assert_same(values(reference.weights), values(loaded.weights))
