@@ -182,58 +182,11 @@ def test_sparse_slices_is_refused_by_name_off_tensorflow():
 # JAX: `stateless_apply` inside `jax.jit`.
 
 
-@pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
-@pytest.mark.parametrize("mode", MODES)
-def test_stateless_apply_inside_jit_matches_large_batch(mode):
+def _jitted_step(model, opt):
+    """A `jax.jit` train step through `opt.stateless_apply`:
+    `(trainable, optimizer_values, x, y) -> (trainable, optimizer_values)`."""
     import jax
 
-    x, y = make_data(48)
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
-
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(1e-2), 4, mode=mode)
-    opt.build(model.trainable_variables)
-    others = [v.value for v in model.non_trainable_variables]
-    loss = keras.losses.MeanSquaredError()
-
-    @jax.jit
-    def step(trainable, optimizer_values, xb, yb):
-        def of(values):
-            y_pred, _ = model.stateless_call(values, others, xb, training=True)
-            return loss(yb, y_pred)
-
-        grads = jax.grad(of)(trainable)
-        return opt.stateless_apply(optimizer_values, grads, trainable)
-
-    trainable = [v.value for v in model.trainable_variables]
-    optimizer_values = [v.value for v in opt.variables]
-    before = list(trainable)
-    for k, (xb, yb) in enumerate(_split(x, y, [4] * 12)):
-        trainable, optimizer_values = step(trainable, optimizer_values, xb, yb)
-        if k < 3:  # in between: the model is unchanged
-            assert_same(values(before), values(trainable))
-    assert step._cache_size() == 1
-    for v, value in zip(model.trainable_variables, trainable):
-        v.assign(value)
-    for v, value in zip(opt.variables, optimizer_values):
-        v.assign(value)
-    assert_states_close(ref, full_state(model, opt))
-    assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 0
-
-
-@pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
-def test_a_cycle_after_jit_starts_afresh_and_files_and_views_show_no_stale_sums():
-    # Traced, the update leaves the applied cycle's sums in the accumulators
-    # (clearing them would copy the parameters on every micro-step); the
-    # next cycle's first micro-step writes over them, here eagerly.
-    import jax
-
-    x, y = make_data(48)
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
-
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(1e-2), 4)
-    opt.build(model.trainable_variables)
     others = [v.value for v in model.non_trainable_variables]
     loss = keras.losses.MeanSquaredError()
 
@@ -245,15 +198,57 @@ def test_a_cycle_after_jit_starts_afresh_and_files_and_views_show_no_stale_sums(
 
         return opt.stateless_apply(optimizer_values, jax.grad(of)(trainable), trainable)
 
+    return step
+
+
+def _write_back(model, opt, trainable, optimizer_values):
+    for v, value in zip(model.trainable_variables, trainable):
+        v.assign(value)
+    for v, value in zip(opt.variables, optimizer_values):
+        v.assign(value)
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
+@pytest.mark.parametrize("mode", MODES)
+def test_stateless_apply_inside_jit_matches_large_batch(mode):
+    x, y = make_data(48)
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
+
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4, mode=mode)
+    opt.build(model.trainable_variables)
+    step = _jitted_step(model, opt)
+    trainable = [v.value for v in model.trainable_variables]
+    optimizer_values = [v.value for v in opt.variables]
+    before = list(trainable)
+    for k, (xb, yb) in enumerate(_split(x, y, [4] * 12)):
+        trainable, optimizer_values = step(trainable, optimizer_values, xb, yb)
+        if k < 3:  # in between: the model is unchanged
+            assert_same(values(before), values(trainable))
+    assert step._cache_size() == 1
+    _write_back(model, opt, trainable, optimizer_values)
+    assert_states_close(ref, full_state(model, opt))
+    assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 0
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
+def test_a_cycle_after_jit_starts_afresh_and_files_and_views_show_no_stale_sums():
+    # Traced, the update leaves the applied cycle's sums in the accumulators
+    # (clearing them would copy the parameters on every micro-step); the
+    # next cycle's first micro-step writes over them, here eagerly.
+    x, y = make_data(48)
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
+
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4)
+    opt.build(model.trainable_variables)
+    step = _jitted_step(model, opt)
     batches = _split(x, y, [4] * 12)
     trainable = [v.value for v in model.trainable_variables]
     optimizer_values = [v.value for v in opt.variables]
     for xb, yb in batches[:4]:  # one whole cycle, traced
         trainable, optimizer_values = step(trainable, optimizer_values, xb, yb)
-    for v, value in zip(model.trainable_variables, trainable):
-        v.assign(value)
-    for v, value in zip(opt.variables, optimizer_values):
-        v.assign(value)
+    _write_back(model, opt, trainable, optimizer_values)
     raw = [v for v in opt.variables if "gradaccum_accumulator" in v.name]
     assert any(np.any(keras.ops.convert_to_numpy(v)) for v in raw), "nothing stale to test"
     store = {}
