@@ -74,20 +74,6 @@ class _Cycle(CycleLength):
         return []
 
 
-def _watched(optimizer: Any) -> list[Any]:
-    """Every variable an update of `optimizer` may write, but the model's:
-    its `variables`, and those its `build` created directly (see
-    `Keras3Family.state_variables`)."""
-    variables = list(optimizer.variables)
-    known = {id(v) for v in variables} | {id(v) for v in optimizer._trainable_variables}
-    for value in vars(optimizer).values():
-        for v in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(v, keras.Variable) and id(v) not in known:
-                known.add(id(v))
-                variables.append(v)
-    return variables
-
-
 class Accumulation:
     """Gradient accumulation for one optimizer on JAX or PyTorch.
 
@@ -339,7 +325,8 @@ class Accumulation:
                 state.micro_step.assign(steps)
             return
         model = list(self.family.trainable_variables())
-        watched = model + [v for v in _watched(self.family.optimizer) if id(v) not in {id(m) for m in model}]
+        known = {id(m) for m in model}
+        watched = model + [v for v in self.family.state_variables() if id(v) not in known]
         # Traced by JAX, both modes run the update in a `jax.lax.cond`: a
         # select between the update's new values and the old ones (a pure
         # masked update) costs XLA on the CPU six times the update itself
