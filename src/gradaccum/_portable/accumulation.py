@@ -241,6 +241,8 @@ class Accumulation:
         # applied (see `gradaccum._portable.state`): a cycle's first
         # micro-step writes over them.
         fresh = ops.equal(state.micro_step.value, 0)
+        if not control.is_traced(fresh):
+            fresh = bool(fresh)  # read once, not once per variable
         added = set()
         for i, g in zip(indices, grads):
             if g is None:
