@@ -99,6 +99,8 @@ from bench import (  # noqa: E402
     _nbytes,
     _reset_peak,
     _rss_kib,
+    _step_timer,
+    counting_updates,
     make_data,
     rotated,
 )
@@ -160,23 +162,6 @@ def variants() -> dict[str, tuple[Callable[[], Any], int]]:
         "keras": (lambda: make_optimizer(gradient_accumulation_steps=N), 1),
         "plain B*n": (make_optimizer, N),
     }
-
-
-def _step_timer():
-    import keras
-
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.seconds: list[float] = []
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self._start = time.process_time()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.seconds.append(time.process_time() - self._start)
-
-    return StepTimer()
 
 
 # ----------------------------------------------------------------------
@@ -250,17 +235,6 @@ def run_tracing(log) -> dict:
     # The core that runs on this backend (its module is private: found
     # through an accumulating optimizer).
     Accumulation = type(accumulate(make_optimizer(), 2)._self_accumulation)
-    calls: list[int] = []
-    original = Accumulation.step
-
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    class CountingAdam(keras.optimizers.Adam):
-        def apply(self, *args, **kwargs):
-            calls.append(1)
-            return super().apply(*args, **kwargs)
 
     def traces(opt, n, build):
         """Python calls of the update in one `fit` of 3 epochs, and the number
@@ -274,9 +248,8 @@ def run_tracing(log) -> dict:
         model.fit(x, y, batch_size=B, epochs=3, shuffle=False, verbose=0)
         return {"calls": len(calls), "steps": 3 * (3 * n + 1)}
 
-    Accumulation.step = counting
     results: dict[str, Any] = {}
-    try:
+    with counting_updates(Accumulation) as (calls, CountingAdam):
         for build in (True, False):
             when = "built" if build else "unbuilt"
             results[f"plain/{when}"] = traces(CountingAdam(1e-4), 1, build)
@@ -306,8 +279,6 @@ def run_tracing(log) -> dict:
                 "updates_applied_after": int(keras.ops.convert_to_numpy(opt.iterations))
                 - iterations_before,
             }
-    finally:
-        Accumulation.step = original
     log(f"  tracing: {results}")
     return results
 

@@ -60,6 +60,7 @@ train function), for several `n`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -207,8 +208,9 @@ def rotated(items: list, r: int) -> list:
 
 def _step_timer():
     """A Keras callback recording the process CPU time of every train step
-    (`.seconds`, in order; one step is one call of the train function)."""
-    _, keras = _tf()
+    (`.seconds`, in order; one step is one call of the train function).
+    Keras only: `backends.py` uses it without TensorFlow."""
+    import keras
 
     class StepTimer(keras.callbacks.Callback):
         def __init__(self):
@@ -536,20 +538,16 @@ def run_growth(quick: bool, log) -> dict:
 # Tracing.
 
 
-def run_tracing(quick: bool, log) -> dict:
-    """Python calls of the micro-step's code per `fit` (one per trace).
+@contextlib.contextmanager
+def counting_updates(accumulation_class: type):
+    """Counts Python runs of the update while active: of the accumulating
+    core's micro-step (`accumulation_class.step`, patched) and of `apply` of
+    the plain `CountingAdam` it yields. Yields `(calls, CountingAdam)`;
+    `len(calls)` is the count (clear it between runs). Keras only."""
+    import keras
 
-    With the optimizer built before `fit`, once per batch shape (Keras traces
-    with an unknown batch size, so a last, smaller batch adds none). Unbuilt,
-    `tf.function` traces twice on the first call because variables are
-    created in it, as it does for the plain optimizer.
-    """
-    tf, keras = _tf()
-    from gradaccum import accumulate
-    from gradaccum._accumulation import Accumulation
-
-    calls = []
-    original = Accumulation.step
+    calls: list[int] = []
+    original = accumulation_class.step
 
     def counting(self, *args, **kwargs):
         calls.append(1)
@@ -559,6 +557,24 @@ def run_tracing(quick: bool, log) -> dict:
         def apply(self, *args, **kwargs):
             calls.append(1)
             return super().apply(*args, **kwargs)
+
+    accumulation_class.step = counting
+    try:
+        yield calls, CountingAdam
+    finally:
+        accumulation_class.step = original
+
+
+def run_tracing(quick: bool, log) -> dict:
+    """Python calls of the micro-step's code per `fit` (one per trace).
+
+    With the optimizer built before `fit`, once per batch shape (Keras traces
+    with an unknown batch size, so a last, smaller batch adds none). Unbuilt,
+    `tf.function` traces twice on the first call because variables are
+    created in it, as it does for the plain optimizer.
+    """
+    from gradaccum import accumulate
+    from gradaccum._accumulation import Accumulation
 
     def traces(make_opt, n, build):
         calls.clear()
@@ -571,9 +587,8 @@ def run_tracing(quick: bool, log) -> dict:
         model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
         return len(calls)
 
-    Accumulation.step = counting
     results = {}
-    try:
+    with counting_updates(Accumulation) as (calls, CountingAdam):
         for build in (True, False):
             when = "built" if build else "unbuilt"
             results[f"plain/{when}"] = traces(lambda n: CountingAdam(1e-4), 1, build)
@@ -582,9 +597,7 @@ def run_tracing(quick: bool, log) -> dict:
                     results[f"{mode}/n={n}/{when}"] = traces(
                         lambda n: accumulate(make_optimizer("adam"), n, mode=mode), n, build
                     )
-        log(f"  tracing: {results}")
-    finally:
-        Accumulation.step = original
+    log(f"  tracing: {results}")
     return results
 
 
