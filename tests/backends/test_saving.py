@@ -127,3 +127,17 @@ def test_state_a_loss_scale_optimizer_hides_from_keras_files_is_kept(tmp_path, w
     loaded = keras.models.load_model(path, safe_mode=True)
     loaded.fit(x[B * 6:], y[B * 6:], batch_size=B, shuffle=False, verbose=0)
     assert_same(values(reference.weights), values(loaded.weights))
+
+
+def test_hidden_state_saved_by_another_wrapping_is_refused():
+    # A file of accumulate(LossScaleOptimizer(Nadam)) holds Nadam's hidden
+    # `_u_product`; a bare accumulate(Nadam) lists it in `variables` and has
+    # nowhere to put the extra value: refused, not dropped.
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Nadam(1e-2), N)
+    opt.build(model.trainable_variables)
+    store = {}
+    opt.save_own_variables(store)
+    store["gradaccum_untracked_0"] = store["gradaccum_micro_step"] * 0.0 + 0.5
+    with pytest.raises(ValueError, match="another optimizer or wrapping"):
+        opt.load_own_variables(store)
