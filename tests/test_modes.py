@@ -4,8 +4,8 @@ The equivalence with large-batch training for every optimizer, feature and
 execution mode is in `test_optimizers.py` and `test_semantics.py`, which run
 once per mode. Here: the `mode` argument, `MirroredStrategy` with two
 replicas, how the masked update masks (no snapshot of all state for Keras 3
-optimizers, the snapshot as fallback, nothing left behind), skip mode's
-shared zero vectors, and tracing.
+optimizers, the snapshot as fallback, nothing left behind), what the end of
+a cycle leaves for the next, and tracing.
 """
 
 import keras
@@ -245,43 +245,60 @@ def test_masked_writes_keep_the_sign_of_zero_and_non_finite_values():
 
 
 # ----------------------------------------------------------------------
-# Skip mode's zero vectors.
+# Between cycles.
 
 
-def test_skip_mode_zero_vectors_stay_zero_and_are_not_saved(tmp_path):
-    """After each update skip mode points the accumulators at a shared zero
-    vector; adding or scattering into them must copy it first.
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("saved, loaded", [("masked", "skip"), ("skip", "masked")])
+def test_a_cycle_writes_over_the_sums_the_last_one_left(tmp_path, saved, loaded, jit):
+    """No mode clears the accumulators when a cycle ends; the next cycle's
+    first micro-step writes over them, in every mode.
 
-    An embedding (its gradients scattered in place, rows repeating) and a
-    dense layer, over several cycles, against large-batch training with
-    SGD and momentum (linear in the gradient, so repeated rows make no
-    difference). Then the vector still holds zeros, the accumulators read
-    as zeros, and a checkpoint holds exactly what a masked-mode one holds.
+    An embedding (its gradients scattered, rows repeating) and a dense
+    layer, SGD with momentum: two cycles in one mode, a `tf.train.Checkpoint`
+    (which holds the raw values: checked to be the last cycle's, not zeros),
+    restored into an optimizer in the other mode, two more cycles. Against
+    large-batch training over all four: a mode that added to what it
+    restored would fail. The view shows zeros between cycles.
     """
+    cycles = 4
     rng = np.random.default_rng(3)
-    x = rng.integers(0, 8, size=(B * N * CYCLES, 3)).astype("int32")
+    x = rng.integers(0, 8, size=(B * N * cycles, 3)).astype("int32")
     y = rng.normal(size=(len(x), 2)).astype("float32")
+    half = len(x) // 2
     make = lambda: keras.optimizers.SGD(0.5, momentum=0.9)  # noqa: E731
-    ref, acc, model, opt = fit_pair(
-        make, n=N, make_model=make_embedding_model, data=(x, y), mode="skip"
-    )
-    assert_states_close(ref, acc)
-    state = opt.accumulation_state
-    zeros, accumulators = state.zero_buffers, state.accumulators
-    longest = max(a.shape.num_elements() for a in accumulators)
-    assert list(zeros) == [tf.float32]
-    assert zeros[tf.float32].shape == (longest,)
-    assert not np.any(zeros[tf.float32].numpy())
-    for a in accumulators:
-        assert not np.any(a.numpy())
+    ref_model, ref_opt = make_embedding_model(), make()
+    fit(ref_model, ref_opt, x, y, B * N, jit_compile=jit)
 
-    def saved(opt, name):
-        path = tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / name))
+    model, opt = make_embedding_model(), accumulate(make(), N, mode=saved)
+    fit(model, opt, x[:half], y[:half], B, jit_compile=jit)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))
+    reader = tf.train.load_checkpoint(path)
+    held = [reader.get_tensor(key) for key, _ in tf.train.list_variables(path)
+            if "gradient_accumulation/accumulators" in key]
+    assert len(held) == len(model.trainable_variables)
+    assert all(np.any(h) for h in held)
+    state = opt.accumulation_state
+    assert int(state.micro_step) == 0 and float(state.weight_total) == 0.0
+    assert not any(np.any(a.numpy()) for a in state.accumulators)
+
+    resumed, opt2 = make_embedding_model(), accumulate(make(), N, mode=loaded)
+    opt2.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=opt2).read(path).assert_existing_objects_matched()
+    fit(resumed, opt2, x[half:], y[half:], B, jit_compile=jit)
+    assert_states_close(full_state(ref_model, ref_opt), full_state(resumed, opt2))
+
+
+def test_checkpoints_of_both_modes_hold_the_same_keys(tmp_path):
+    model = make_embedding_model()
+
+    def saved(mode):
+        opt = accumulate(keras.optimizers.SGD(0.5, momentum=0.9), N, mode=mode)
+        opt.build(model.trainable_variables)
+        path = tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / mode))
         return sorted(key for key, _ in tf.train.list_variables(path))
 
-    masked = accumulate(make(), N)
-    masked.build(model.trainable_variables)
-    assert saved(opt, "skip") == saved(masked, "masked")
+    assert saved("skip") == saved("masked")
 
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
@@ -314,16 +331,6 @@ def test_skip_mode_quotients_equal_division_bit_for_bit(dtype, traced):
             np.testing.assert_array_equal(
                 got.numpy().view(bits), expected.numpy().view(bits), err_msg=str(divisor)
             )
-
-
-def test_only_skip_mode_has_zero_vectors():
-    model = make_mlp()
-    masked = accumulate(keras.optimizers.Adam(), N)
-    masked.build(model.trainable_variables)
-    assert not masked.accumulation_state.zero_buffers
-    skip = accumulate(keras.optimizers.Adam(), N, mode="skip")
-    skip.build(model.trainable_variables)
-    assert skip.accumulation_state.zero_buffers
 
 
 # ----------------------------------------------------------------------

@@ -118,12 +118,12 @@ class Accumulation:
         state = self.state
         if state is None:
             return None
+        state.settle()
         return AccumulationState(
             variables=tuple(state.variables),
             accumulators=tuple(state.accumulators),
             micro_step=tf.identity(state.micro_step),
             weight_total=tf.identity(state.weight_total),
-            zero_buffers=self.strategy.zero_buffers,
             kept_slices=state.all_kept(),
         )
 

@@ -162,6 +162,27 @@ class State:
         ]
 
     # ------------------------------------------------------------------
+    # Between cycles.
+
+    def begun(self) -> bool:
+        """Whether the current cycle holds a micro-batch (read eagerly)."""
+        with tf.init_scope():
+            return int(self.micro_step.numpy()) > 0
+
+    def settle(self) -> None:
+        """Zeroes the accumulators and the weight total between cycles.
+
+        A cycle's end leaves them holding its values, and the next cycle's
+        first micro-step writes over them (see `gradaccum._strategies`);
+        zeroed here, what is seen of a cycle not begun is zeros. Eagerly
+        only: inside a traced function the raw values are seen.
+        """
+        if not tf.executing_eagerly() or self.begun():
+            return
+        for v in [*self.accumulators, self.weight_total]:
+            v.assign(tf.zeros(v.shape, v.dtype), read_value=False)
+
+    # ------------------------------------------------------------------
     # Kept slices (`sparse="slices"`).
 
     def keeps_slices(self, index: int) -> bool:
@@ -190,10 +211,12 @@ class State:
         Read once, eagerly, when its buffers are created: sums there come
         from dense gradients earlier in the cycle, or from a partial cycle
         restored from state written with `sparse="rows"`. The update would
-        hand over the slices alone and leave those sums out.
+        hand over the slices alone and leave those sums out. Between cycles
+        an accumulator holds the last cycle's values, which count for
+        nothing.
         """
         with tf.init_scope():
-            held = bool(
+            held = self.begun() and bool(
                 tf.reduce_any(tf.not_equal(tf.convert_to_tensor(self.accumulators[index]), 0)).numpy()
             )
         if held:
@@ -313,6 +336,8 @@ class State:
         if not self._restored_without_participants:
             return
         self._restored_without_participants = False
+        if not self.begun():  # the sums are the last cycle's
+            return
         with tf.init_scope():
             for i, acc in enumerate(self.accumulators):
                 if i not in self._participants and bool(
@@ -339,12 +364,16 @@ class State:
         """Writes the state into a Keras weights store.
 
         Accumulator `i` goes under `accumulator_{i}`, and `names` lists each
-        one's variable by its `relative_names`.
+        one's variable by its `relative_names`. Between cycles the
+        accumulators and the weight total are written as zeros (they hold
+        the last cycle's values; see `settle`).
         """
+        begun = self.begun()
         store[f"{KEY}n"] = np.asarray(self.n_code, dtype=np.int64)
         store[f"{KEY}reduction"] = np.asarray(_REDUCTION_CODES[self.reduction])
         store[f"{KEY}micro_step"] = np.asarray(self.micro_step.numpy())
-        store[f"{KEY}weight_total"] = np.asarray(self.weight_total.numpy())
+        total = np.asarray(self.weight_total.numpy())
+        store[f"{KEY}weight_total"] = total if begun else np.zeros_like(total)
         store[f"{KEY}seen"] = self.participation_mask()
         store[f"{KEY}names"] = _encode_names(relative_names(self.variables))
         for i, acc in enumerate(self.accumulators):
@@ -354,7 +383,7 @@ class State:
                 value = np.max([np.asarray(v.numpy()) for v in acc.values], axis=0)
             else:
                 value = np.asarray(acc.numpy())
-            store[f"{KEY}accumulator_{i}"] = value
+            store[f"{KEY}accumulator_{i}"] = value if begun else np.zeros_like(value)
             if self.keeps_slices(i):
                 values, indices = self.slice_buffers(i)
                 store[f"{KEY}kept_values_{i}"] = np.asarray(values.numpy())

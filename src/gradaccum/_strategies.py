@@ -9,7 +9,7 @@ One strategy is chosen per optimizer, once, when its state is built
   on the apply step, divided in place, so the update reads them directly.
 - `Skipped` (`mode="skip"`, optimizers that grow): the update runs only on
   apply steps (`updates.skipped_update`), and inside that branch the
-  accumulators are divided, applied and zeroed.
+  accumulators are divided in place and applied.
 - `SkippedIntoNew` (`mode="skip"`, every other optimizer): the update runs
   only on apply steps too, taking the path through memory that Keras's own
   `gradient_accumulation_steps` takes, so that it costs what that costs:
@@ -17,13 +17,28 @@ One strategy is chosen per optimizer, once, when its state is built
   over the gradient's buffer) instead of in place; the update's branch
   takes reads of the accumulators (and the weight total) as inputs instead
   of reading them itself, since a branch that touches a variable waits for
-  every earlier write to it; it divides them into new tensors its own
-  arithmetic can write into (`tensors.quotients`); and after the update each
-  accumulator is pointed at a shared vector of zeros (`tensors.cleared_if`)
-  instead of being filled with zeros. Memory is about what Keras's option
-  takes: the accumulators, the zero vector (as long as the longest
-  accumulator; Keras keeps zeros of every variable), and while a micro-step
-  adds, each new sum next to the old one.
+  every earlier write to it; and it divides them into new tensors its own
+  arithmetic can write into (`tensors.quotients`). Memory is about what
+  Keras's option takes: the accumulators, and while a micro-step adds,
+  each new sum next to the old one.
+
+No strategy clears the accumulators (or the weight total) when a cycle
+ends, except for optimizers that grow: a cycle's first micro-step writes
+its gradients over whatever they hold (`tensors.add_into`, `max_into`,
+`add_scalar`), and zeroes the other accumulators it knows of. An
+optimizer that grows (`OptimizerFamily.grows`) may have accumulators that
+a traced step was traced before, which it cannot zero; so for those the
+update still zeroes the accumulators it applied (`clears_at_end`). Under XLA a
+clearing after the update, which reads the sums inside a `tf.cond`, made
+XLA copy every accumulator on every micro-step (4.2M elements: 7.0-7.5 ms
+per in-between step, against 2.3-3.1 ms this way and 2.5-2.9 ms for the
+add alone); elsewhere it was a pass over the accumulators once per cycle.
+So between cycles (`micro_step == 0`) the raw accumulators hold the last
+cycle's sums (divided, where the mode divides in place): what is seen of
+them (`State.settle`) and saved in Keras files is zeros, and checkpoints,
+which hold the raw values, restore them into any mode, since every mode
+overwrites on the first micro-step. Kept slices (`sparse="slices"`) are
+still emptied when a cycle ends: they grow with every micro-step.
 
 All three give the same results (tested).
 
@@ -74,36 +89,48 @@ class CycleStrategy:
         self.agc = agc
         # Whether any micro-batch was given a weight (decided while tracing).
         self.weighted = False
-
-    @property
-    def zero_buffers(self) -> dict[tf.DType, tf.Variable]:
-        """Shared zero vectors the strategy keeps (none by default)."""
-        return {}
+        # Whether the end of a cycle zeroes the accumulators it applied (see
+        # the module docstring).
+        self.clears_at_end = family.grows
 
     def add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any) -> None:
-        """Adds one micro-step's (weighted) gradients to the accumulators."""
+        """Adds one micro-step's (weighted) gradients to the accumulators;
+        on a cycle's first micro-step, writes them over what the
+        accumulators hold (see the module docstring)."""
         state = self.state
         if weight is not None:
             self.weighted = True
             weight = tf.cast(weight, tf.float32)
-        # Where the accumulators are cleared by pointing them at zeros, the
-        # first micro-step's gradients become their buffers (`add_into`).
-        first = tf.equal(state.micro_step.value(), 0) if self.into_new else None
+        first = tf.equal(state.micro_step.value(), 0)
+        given = set()
+        dense: tuple[list[tf.Variable], list[Any]] = ([], [])
         for g, i in zip(grads, indices):
             if g is None:
                 continue
             if state.keeps_maximum(i):
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
-                tensors.max_into(state.accumulators[i], g)
+                tensors.max_into(state.accumulators[i], g, first)
             elif self.keeps_slices and isinstance(g, tf.IndexedSlices):
                 tensors.append_slices(*state.slice_buffers(i), g, weight)
+            elif isinstance(g, tf.IndexedSlices):
+                tensors.scatter_into(state.accumulators[i], g, weight, first)
             else:
                 if self.keeps_slices and state.keeps_slices(i):
                     _refuse_mixed(state.variables[i])
-                tensors.add_into(state.accumulators[i], g, weight, self.into_new, first)
+                dense[0].append(state.accumulators[i])
+                dense[1].append(g)
+            given.add(i)
             state.take_part(i)
-        state.weight_total.assign_add(tf.constant(1.0) if weight is None else weight)
+        tensors.add_into(*dense, weight, self.into_new, first)
+        # Every other accumulator: the last cycle's sums must not count in
+        # this one. Not only those of variables taking part when this step
+        # was traced: another trace may have made more take part since.
+        missing = [a for i, a in enumerate(state.accumulators)
+                   if i not in given and not state.keeps_slices(i)]
+        if missing:
+            tensors.zero_if(first, missing)
+        tensors.add_scalar(state.weight_total, tf.constant(1.0) if weight is None else weight, first)
 
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
         """Runs the update of `included` variables; on `keep_new`, keeps it
@@ -148,16 +175,14 @@ class CycleStrategy:
 
         return divisor
 
-    def _pieces(self, included: list[int]) -> tuple[list[tf.Variable], list[tf.Variable], list[Any], list[tf.Variable], list[tf.Variable]]:
+    def _pieces(self, included: list[int]) -> tuple[list[tf.Variable], list[tf.Variable], list[Any]]:
         """The included accumulators, those of them the mean divides (not
-        maxima), their variables, the variables an update writes, and what
-        the end of a cycle clears."""
+        maxima), and their variables."""
         state = self.state
         accumulators = [state.accumulators[i] for i in included]
         divided = [state.accumulators[i] for i in included if not state.keeps_maximum(i)]
         variables = [state.variables[i] for i in included]
-        written = [self.family.model_variable(v) for v in variables]
-        return accumulators, divided, variables, written, accumulators + [state.weight_total]
+        return accumulators, divided, variables
 
     def with_slices(self, values: list[Any], included: list[int], divisor: Any) -> list[Any]:
         """`values`, with each variable's that keeps slices replaced by its
@@ -241,7 +266,7 @@ class Masked(CycleStrategy):
     """
 
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
-        accumulators, divided, variables, written, cleared = self._pieces(included)
+        accumulators, divided, variables = self._pieces(included)
         family = self.family
         divisor = self.divisor()
         if divisor is not None:
@@ -266,29 +291,31 @@ class Masked(CycleStrategy):
             masks_writes=family.masks_writes,
             per_variable=per_variable,
         )
-        tensors.zero_if(keep_new, cleared, after=written)
+        if self.clears_at_end:
+            tensors.zero_if(keep_new, accumulators)
         tensors.clear_slices_if(keep_new, self.state.kept_buffers(included))
 
 
 class Skipped(CycleStrategy):
     """The update runs only on apply steps; the accumulators are divided in
-    place, applied and zeroed inside its branch."""
+    place, applied and (for optimizers that grow) zeroed inside its branch."""
 
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
-        accumulators, divided, variables, written, cleared = self._pieces(included)
+        accumulators, divided, variables = self._pieces(included)
 
-        def apply_and_clear(keep_new: tf.Tensor) -> None:
+        def divide_and_apply(keep_new: tf.Tensor) -> None:
             divisor = self.divisor()
             if divisor is not None:
                 tensors.divide_in_place(divided, divisor())
             values = self.with_slices(_read(accumulators), included, divisor and divisor())
             self.apply(values, variables, options)
-            # `keep_new` is True here: its negation is a run-time zero.
-            tensors.zero(cleared, tf.logical_not(keep_new), after=written)
+            if self.clears_at_end:
+                # `keep_new` is True here: its negation is a run-time zero.
+                tensors.zero(accumulators, tf.logical_not(keep_new))
             tensors.clear_slices(self.state.kept_buffers(included))
 
         # `keep_new` as an argument: it is a per-replica input.
-        updates.skipped_update(keep_new, apply_and_clear, keep_new)
+        updates.skipped_update(keep_new, divide_and_apply, keep_new)
 
 
 class SkippedIntoNew(CycleStrategy):
@@ -296,28 +323,13 @@ class SkippedIntoNew(CycleStrategy):
 
     into_new = True
 
-    def __init__(
-        self,
-        state: State,
-        family: OptimizerFamily,
-        reduction: str,
-        agc: AdaptiveClipping | None = None,
-    ):
-        super().__init__(state, family, reduction, agc)
-        with distribution.creation_scope(family.strategy()):
-            self._zeros = tensors.zero_buffers(state.accumulators)
-
-    @property
-    def zero_buffers(self) -> dict[tf.DType, tf.Variable]:
-        return dict(self._zeros)
-
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
-        accumulators, _, variables, _, cleared = self._pieces(included)
+        accumulators, _, variables = self._pieces(included)
         maxima = [self.state.keeps_maximum(i) for i in included]
         values = _read(accumulators)
         divisor = self.divisor()
-        # Read here, not in the branch: a branch that reads the weight total
-        # would make the clearing below wait for the whole update.
+        # Read here and handed to the branch, as the accumulators are (see
+        # the module docstring).
         inputs = [values] if divisor is None else [values, divisor()]
 
         def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
@@ -328,7 +340,6 @@ class SkippedIntoNew(CycleStrategy):
             self.apply(self.with_slices(values, included, divisor), variables, options)
 
         updates.skipped_update(keep_new, apply_sums, *inputs)
-        tensors.cleared_if(keep_new, cleared, self._zeros)
         tensors.clear_slices_if(keep_new, self.state.kept_buffers(included))
 
 
@@ -342,6 +353,6 @@ def choose(
     """The strategy for `mode` on this optimizer (see the module docstring)."""
     if mode == "masked":
         return Masked(state, family, reduction, agc)
-    if not family.grows and all(tensors.shares_zeros(a) for a in state.accumulators):
+    if not family.grows:
         return SkippedIntoNew(state, family, reduction, agc)
     return Skipped(state, family, reduction, agc)

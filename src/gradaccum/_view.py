@@ -8,6 +8,11 @@ from typing import Any, NamedTuple
 class AccumulationState(NamedTuple):
     """A read-only view of an `AccumulatingOptimizer`'s accumulation state.
 
+    The end of a cycle does not clear the accumulators and the weight
+    total: the next cycle's first micro-step writes over them. Taking the
+    view eagerly between cycles (`micro_step == 0`) zeroes them, so they
+    read as zeros; inside a traced function the raw values are seen.
+
     Attributes:
         variables: The variables gradients are accumulated for, in the order
             the optimizer met them (checkpoints hold the accumulators in this
@@ -19,9 +24,6 @@ class AccumulationState(NamedTuple):
         micro_step: Micro-batches accumulated in the current cycle (int64).
         weight_total: The sum of the micro-batch weights in the current
             cycle (each unweighted micro-batch weighs 1); replica-local.
-        zero_buffers: Skip mode's shared vectors of zeros, by dtype, that
-            the accumulators are pointed at after each update (empty where
-            the mode keeps none; see `mode`).
         kept_slices: With `sparse="slices"`, the current cycle's
             `tf.IndexedSlices` of each variable that received them, by its
             position in `variables`: a `(values, indices)` pair of
@@ -33,5 +35,4 @@ class AccumulationState(NamedTuple):
     accumulators: tuple[Any, ...]
     micro_step: Any
     weight_total: Any
-    zero_buffers: dict[Any, Any]
     kept_slices: dict[int, tuple[Any, Any]] = {}

@@ -221,18 +221,6 @@ def test_sparse_embedding_gradients(make, mode):
         assert_states_equal(before, after)
 
 
-def test_skip_mode_has_zero_vectors_unless_accumulators_grow():
-    """See `gradaccum._strategies`: an OptimizerV2 adds accumulators as it meets
-    variables, so skip mode clears its accumulators by writing zeros."""
-    model = make_mlp()
-    x, y = make_data(4)
-    for make, shares in ((new.Adam, True), (legacy.Adam, False)):
-        opt = accumulate(make(1e-2), 3, mode="skip")
-        grads = mse_grads(model, x, y)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        assert bool(opt.accumulation_state.zero_buffers) is shares, make
-
-
 def _sparse_step(model, opt, x, y):
     grads = mse_grads(model, x, y)
     assert any(isinstance(g, tf.IndexedSlices) for g in grads)

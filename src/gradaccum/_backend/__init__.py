@@ -12,11 +12,12 @@ accumulation itself.
     function (`creation_scope`), running code in cross-replica context
     (`in_cross_replica`), all-reduces (`sum_over_replicas`,
     `clip_as_one_device`) and the checks that refuse unsound set-ups.
-  - `tensors`: adding a gradient into an accumulator (`add_into`), or
-    keeping its slices (`slice_buffers`, `append_slices`, `kept_slices`,
-    `clear_slices_if`), branch-free choice (`select`), the end of a cycle
-    (`divide_if`, `zero_if`, `quotients`, `zero_buffers`, `cleared_if`),
-    each written for its cost.
+  - `tensors`: adding gradients into accumulators, or writing them over
+    what they hold on a cycle's first micro-step (`add_into`,
+    `scatter_into`, `max_into`, `add_scalar`), or keeping their slices
+    (`slice_buffers`, `append_slices`, `kept_slices`, `clear_slices_if`),
+    branch-free choice (`select`), the end of a cycle (`divide_if`,
+    `quotients`), zeroing (`zero_if`), each written for its cost.
   - `updates`: running the wrapped optimizer's update so that its effect
     is kept only on apply steps: `masked_update` (every micro-step runs it;
     no branch encloses it) and `skipped_update` (it runs only on apply

@@ -150,7 +150,6 @@ class Accumulation:
             accumulators=tuple(state.accumulators),
             micro_step=control.snapshot(state.micro_step),
             weight_total=control.snapshot(state.weight_total),
-            zero_buffers={},
         )
 
     def own_variables(self) -> list[Any]:

@@ -64,71 +64,85 @@ def accumulator_dtype(variable: Any) -> tf.DType:
     return tf.float64 if dtype == tf.float64 else tf.float32
 
 
+def scatter_into(accumulator: tf.Variable, grad: tf.IndexedSlices, weight: Any, first: tf.Tensor) -> None:
+    """Scatters `weight * grad` (or `grad`, for `weight=None`) into this
+    replica's copy of `accumulator`, zeroed first on a cycle's first
+    micro-step (`first`, a scalar boolean tensor; see `add_into`)."""
+    values = tf.cast(grad.values, accumulator.dtype)
+    if weight is not None:
+        values = values * tf.cast(weight, accumulator.dtype)
+    zero_if(first, [accumulator])
+    local_copy(accumulator).scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
+
+
 def add_into(
-    accumulator: tf.Variable,
-    grad: Any,
+    accumulators: Sequence[tf.Variable],
+    grads: Sequence[tf.Tensor],
     weight: Any,
     into_new: bool,
-    first: tf.Tensor | None = None,
+    first: tf.Tensor,
 ) -> None:
-    """Adds `weight * grad` (or `grad`, for `weight=None`) to `accumulator`.
+    """Adds `weight * grad` (or `grad`, for `weight=None`) to each accumulator,
+    or on a cycle's first micro-step writes it over what the accumulator holds.
 
-    A `tf.IndexedSlices` gradient is scattered into this replica's copy. A
-    dense one is added in place, or, with `into_new` and no weight, into a
-    new tensor that then becomes the accumulator's buffer (the path through
-    memory Keras's own `gradient_accumulation_steps` takes; see
-    `gradaccum._strategies`).
+    The end of a cycle does not clear the accumulators (see
+    `gradaccum._strategies`): they hold the last cycle's sums until the next
+    cycle's first micro-step, which overwrites them. A gradient is added in
+    place, or, with `into_new` and no weight, into a new tensor that then
+    becomes the accumulator's buffer (the path through memory Keras's own
+    `gradient_accumulation_steps` takes; see `gradaccum._strategies`).
 
     Args:
-        accumulator: A replica-local variable.
-        grad: A dense tensor or `tf.IndexedSlices`.
+        accumulators: Replica-local variables.
+        grads: Their dense gradients.
         weight: A scalar, or None.
         into_new: See above.
-        first: With `into_new`, a scalar boolean tensor: this is the
-            cycle's first micro-step, on which the accumulator reads zeros
-            (it shares a zero vector, see `cleared_if`), so a dense
-            gradient becomes its new buffer instead: no pass over the
-            zeros, and no copy of the shared vector that writing into it
-            in place would make first.
+        first: Scalar boolean tensor: this is the cycle's first micro-step.
+            Under XLA the choice is a select per accumulator, fused into its
+            add (one pass). Otherwise one `tf.cond` for all of them (each
+            `tf.cond` costs a function call, as much as a few percent of a
+            micro-step with one per variable), whose overwrite hands each
+            (weighted) gradient's buffer over without a pass over the old
+            sums.
     """
-    w = None if weight is None else tf.cast(weight, accumulator.dtype)
-    if isinstance(grad, tf.IndexedSlices):
-        values = tf.cast(grad.values, accumulator.dtype)
-        values = values if w is None else values * w
-        local_copy(accumulator).scatter_add(
-            tf.IndexedSlices(values, grad.indices, grad.dense_shape)
-        )
-        return
-    grad = tf.cast(grad, accumulator.dtype)
-
-    def add() -> None:
-        if w is not None:
-            # `acc -= (-w) * grad`, in place, in one fused pass: `fit` weighs
-            # every micro-batch by its loss count, and `grad * w` would be a
-            # pass over the gradient of its own (as costly as the add). The
-            # result is bit for bit that of `acc + grad * w` (negation is
-            # exact, and the kernel does not contract into a fused
-            # multiply-add).
-            tf.raw_ops.ResourceApplyGradientDescent(
-                var=local_copy(accumulator).handle, alpha=-w, delta=grad
-            )
-        elif into_new:
-            accumulator.assign(accumulator.value() + grad, read_value=False)
-        else:
-            accumulator.assign_add(grad)
-
-    if not (into_new and first is not None):
-        add()
+    w = None if weight is None else tf.cast(weight, tf.float32)
+    pairs = [(a, tf.cast(g, a.dtype)) for a, g in zip(accumulators, grads)]
+    if not pairs:
         return
 
-    def overwrite() -> None:
-        accumulator.assign(grad if w is None else grad * w, read_value=False)
+    def weighted(a: tf.Variable, g: tf.Tensor) -> tf.Tensor:
+        return g if w is None else g * tf.cast(w, a.dtype)
 
     if compiled_by_xla():
-        # Fused into one pass (see `compiled_by_xla`).
-        new = grad if w is None else grad * w
-        accumulator.assign(select(first, new, accumulator.value() + new), read_value=False)
+        # One fused pass each (see `compiled_by_xla`): no select after the
+        # update's `tf.cond` reads the sums, which would make XLA keep them
+        # in a temporary and copy them back on every step.
+        for a, g in pairs:
+            new = weighted(a, g)
+            a.assign(select(first, new, a.value() + new), read_value=False)
         return
+
+    def add() -> None:
+        for a, g in pairs:
+            if w is not None:
+                # `acc -= (-w) * grad`, in place, in one fused pass: `fit`
+                # weighs every micro-batch by its loss count, and `grad * w`
+                # would be a pass over the gradient of its own (as costly as
+                # the add). The result is bit for bit that of
+                # `acc + grad * w` (negation is exact, and the kernel does
+                # not contract into a fused multiply-add).
+                tf.raw_ops.ResourceApplyGradientDescent(
+                    var=local_copy(a).handle, alpha=-tf.cast(w, a.dtype), delta=g
+                )
+            elif into_new:
+                a.assign(a.value() + g, read_value=False)
+            else:
+                a.assign_add(g, read_value=False)
+
+    def overwrite() -> None:
+        for a, g in pairs:
+            a.assign(weighted(a, g), read_value=False)
+
     tf.cond(first, overwrite, add)
 
 
@@ -203,10 +217,18 @@ def clear_slices_if(keep_new: tf.Tensor, buffers: Sequence[tuple[tf.Variable, tf
         tf.cond(keep_new, lambda: clear_slices(buffers), nothing)
 
 
-def max_into(accumulator: tf.Variable, value: Any) -> None:
-    """Sets `accumulator` to the elementwise maximum of itself and `value`."""
+def max_into(accumulator: tf.Variable, value: Any, first: tf.Tensor) -> None:
+    """Sets `accumulator` to the elementwise maximum of itself and `value`,
+    or to `value` on a cycle's first micro-step (`first`, see `add_into`)."""
     value = tf.cast(tf.convert_to_tensor(value), accumulator.dtype)
-    accumulator.assign(tf.maximum(accumulator.value(), value), read_value=False)
+    accumulator.assign(select(first, value, tf.maximum(accumulator.value(), value)), read_value=False)
+
+
+def add_scalar(total: tf.Variable, value: Any, first: tf.Tensor) -> None:
+    """Adds the scalar `value` to `total`, or sets it on a cycle's first
+    micro-step (`first`, see `add_into`)."""
+    value = tf.cast(value, total.dtype)
+    total.assign(select(first, value, total.value() + value), read_value=False)
 
 
 def any_nonzero(values: Sequence[Any]) -> tf.Tensor:
@@ -264,49 +286,30 @@ def divide_if(
     tf.cond(keep_new, lambda: divide_in_place(variables, divisor()), nothing)
 
 
-def zero(
-    variables: Sequence[tf.Variable],
-    zero_value: tf.Tensor,
-    after: Sequence[tf.Variable] = (),
-) -> None:
+def zero(variables: Sequence[tf.Variable], zero_value: tf.Tensor) -> None:
     """Sets replica-local `variables` to `zero_value` (a 0 known only at run time).
 
-    It waits for the writes made so far to the variables in `after` (the
-    update's), so the zeros are not allocated while the update's temporaries
-    are alive, and zeroes the variables one after the other: each old buffer
-    is freed before the next zeros are allocated. The zeros are filled at run
-    time from a value TensorFlow cannot know in advance: zeros of a static
-    shape are folded into a graph constant, which then stays in memory.
+    One after the other: each old buffer is freed before the next zeros are
+    allocated. The zeros are filled at run time from a value TensorFlow
+    cannot know in advance: zeros of a static shape are folded into a graph
+    constant, which then stays in memory.
     """
-    done: list[Any] = [v.value() for v in after]
+    done: list[Any] = []
     for v in variables:
         with tf.control_dependencies(done):
             zeros = tf.fill(tf.shape(v), tf.cast(zero_value, v.dtype))
             done = [v.assign(zeros, read_value=False)]
 
 
-def zero_if(
-    keep_new: tf.Tensor,
-    variables: Sequence[tf.Variable],
-    after: Sequence[tf.Variable] = (),
-) -> None:
-    """`zero` if `keep_new`.
-
-    On an in-between step nothing is allocated, and nothing of `after` is
-    read: the reads are inside the branch, and the `tf.cond` waits for the
-    writes to `after` since it takes those variables as inputs. Under XLA a
-    select instead (see `compiled_by_xla`).
-    """
+def zero_if(condition: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
+    """`zero` if the scalar `condition` holds; on other steps nothing is
+    allocated. Under XLA a select instead (see `compiled_by_xla`)."""
     if compiled_by_xla():
-        with tf.control_dependencies([v.value() for v in after]):
-            for v in variables:
-                v.assign(select(keep_new, tf.zeros_like(v), v.value()), read_value=False)
+        for v in variables:
+            v.assign(select(condition, tf.zeros_like(v), v.value()), read_value=False)
         return
-    tf.cond(
-        keep_new,
-        lambda: zero(variables, tf.logical_not(keep_new), after=after),
-        nothing,
-    )
+    # `condition` is True inside the branch: its negation is a run-time zero.
+    tf.cond(condition, lambda: zero(variables, tf.logical_not(condition)), nothing)
 
 
 def is_power_of_two(x: tf.Tensor) -> tf.Tensor | None:
@@ -359,51 +362,3 @@ def quotients(values: Sequence[tf.Tensor], divisor: tf.Tensor) -> list[tf.Tensor
         for k, q in zip(ks, results):
             out[k] = q
     return out
-
-
-def zero_buffers(accumulators: Sequence[tf.Variable]) -> dict[tf.DType, tf.Variable]:
-    """One replica-local vector of zeros per dtype, as long as the longest
-    accumulator of that dtype (float32 at least one long, for the weight
-    total). Create inside `distribution.creation_scope`; nothing writes
-    them, and checkpoints do not hold them.
-    """
-    sizes: dict[tf.DType, int] = {tf.float32: 1}
-    for a in accumulators:
-        dtype = a.dtype.base_dtype
-        sizes[dtype] = max(sizes.get(dtype, 1), a.shape.num_elements())
-    return {
-        dtype: replica_local(tf.zeros([size], dtype=dtype), name="zeros")
-        for dtype, size in sizes.items()
-    }
-
-
-def shares_zeros(variable: tf.Variable) -> bool:
-    """Whether `cleared_if` can point `variable` at a zero buffer."""
-    return variable.shape.is_fully_defined()
-
-
-def cleared_if(
-    keep_new: tf.Tensor,
-    variables: Sequence[tf.Variable],
-    zeros: dict[tf.DType, tf.Variable],
-) -> None:
-    """If `keep_new`, makes each replica-local variable read as zeros.
-
-    Each variable takes a reshaped leading slice of the zero vector of its
-    dtype, which shares that vector's buffer: no allocation, no write.
-    TensorFlow copies a shared buffer before anything writes into it, so
-    the zeros stay zeros. Under XLA a select of zeros instead, which fuses
-    into the add before it (see `compiled_by_xla`).
-    """
-    if compiled_by_xla():
-        for v in variables:
-            v.assign(select(keep_new, tf.zeros_like(v), v.value()), read_value=False)
-        return
-
-    def clear() -> None:
-        for v in variables:
-            size = v.shape.num_elements()
-            flat = zeros[v.dtype.base_dtype].value()[:size]
-            v.assign(tf.reshape(flat, v.shape), read_value=False)
-
-    tf.cond(keep_new, clear, nothing)
