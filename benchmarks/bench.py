@@ -374,8 +374,6 @@ def memory_child(variant: str, steps: int) -> dict:
     opt_bytes = _nbytes(opt.variables)
     state = getattr(opt, "accumulation_state", None)
     acc_bytes = _nbytes(state.accumulators) if state is not None else 0
-    # Skip mode's shared zeros (see gradaccum._strategies), not in `opt.variables`.
-    zero_bytes = _nbytes(list(state.zero_buffers.values())) if state is not None else 0
     # In-between micro-steps only (warm-up ended on an apply step).
     tf.config.experimental.reset_memory_stats("CPU:0")
     model.fit(ds.take(N - 1), epochs=1, verbose=0)
@@ -392,7 +390,6 @@ def memory_child(variant: str, steps: int) -> dict:
         "param_bytes": params,
         "optimizer_variable_bytes": opt_bytes,
         "accumulator_bytes": acc_bytes,
-        "zero_vector_bytes": zero_bytes,
         "rss_before_kib": rss_before,
         "peak_kib": peak,
         "tf_before_bytes": tf_before,
@@ -722,14 +719,14 @@ def report(res: dict, print_fn=print) -> None:
         p(f"\nMemory (~25M-parameter MLP, {params / 2**20:.0f} MiB of parameters; Adam, B=8, n=4; "
           "MiB, medians of fresh processes). Extra: peak minus the plain optimizer's peak, "
           "in multiples of the parameter bytes.")
-        p("| variant | variables created: optimizer + accumulators + zero vectors | "
+        p("| variant | variables created: optimizer + accumulators | "
           "peak, TensorFlow allocator | "
           "extra | extra, in-between steps only | peak RSS, default allocator | extra | "
           "peak RSS, system allocator | extra |")
         p("|---|---|---|---|---|---|---|---|---|")
         for name, r in mem.items():
             p(f"| {name} | {r['optimizer_variable_bytes'] / 2**20:.0f} + "
-              f"{r['accumulator_bytes'] / 2**20:.0f} + {r['zero_vector_bytes'] / 2**20:.0f} | "
+              f"{r['accumulator_bytes'] / 2**20:.0f} | "
               f"{r['tf_peak_bytes'] / 2**20:.0f} | "
               f"{r['extra_tf_x_params']:.2f}x | {r['extra_tf_in_between_x_params']:.2f}x | "
               f"{r['peak_kib'] / 1024:.0f} | {r['extra_rss_x_params']:.2f}x | "
