@@ -415,6 +415,62 @@ def test_a_cycle_begun_by_a_step_traced_before_a_variable_took_part(mode, jit):
         np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("jit", [None, False, True], ids=["eager", "graph", "xla"])
+@pytest.mark.parametrize("mode", MODES)
+def test_sums_held_at_the_scale_of_the_last_mean(mode, jit):
+    """The accumulators hold a cycle's sums times the reciprocal of the last
+    cycle's divisor where that is a power of two (so that a cycle like the
+    last one ends holding its mean). Cycles whose weight totals go 8, 8, 7,
+    8, then 4 (flushed after two micro-steps), then 8 pass through every
+    case: held at 1, 1/8, 1/8 (divided by 7/8), 1 (divided by 8), 1/8
+    (divided by 1/2), 1/4 (divided by 2). The reference applies each cycle's
+    weighted mean, computed in float64."""
+    n = 4
+    cycles = [[2.0] * 4, [2.0] * 4, [2.0, 2.0, 2.0, 1.0], [2.0] * 4, [2.0, 2.0], [2.0] * 4]
+    shapes = [(3,), (2, 2)]
+
+    def grads(k):
+        rng = np.random.default_rng(100 + k)
+        return [rng.normal(size=s).astype(np.float32) for s in shapes]
+
+    make_opt = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
+    start = [np.array([1.0, -2.0, 0.5], np.float32), np.array([[0.5, 3.0], [-1.0, 2.0]], np.float32)]
+    ref_vars = [keras.Variable(v) for v in start]
+    ref_opt = make_opt()
+    k = 0
+    for weights in cycles:
+        sums = [np.zeros(s) for s in shapes]
+        for w in weights:
+            sums = [t + w * g.astype(np.float64) for t, g in zip(sums, grads(k))]
+            k += 1
+        mean = [t / sum(weights) for t in sums]
+        ref_opt.apply_gradients(zip([tf.constant(m, tf.float32) for m in mean], ref_vars))
+
+    variables = [keras.Variable(v) for v in start]
+    opt = accumulate(make_opt(), n, mode=mode)
+    opt.build(variables)
+    if jit is None:
+        def step(gs, w):
+            opt.apply_gradients(zip(gs, variables), weight=w)
+    else:
+        step = tf.function(
+            lambda gs, w: opt.apply_gradients(zip(gs, variables), weight=w), jit_compile=jit
+        )
+    scales = []
+    k = 0
+    for weights in cycles:
+        for w in weights:
+            step([tf.constant(g) for g in grads(k)], tf.constant(w))
+            k += 1
+        if len(weights) < n:
+            opt.flush()
+        scales.append(float(opt._self_accumulation.state.scale.numpy()))
+    assert scales == [1 / 8, 1 / 8, 1.0, 1 / 8, 1 / 4, 1 / 8]  # every case was met
+    assert int(opt.iterations) == int(ref_opt.iterations) == len(cycles)
+    for v, r in zip(variables, ref_vars):
+        np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-6, atol=1e-7)
+
+
 def _grads(model, x, y):
     with tf.GradientTape() as tape:
         loss = keras.losses.MeanSquaredError()(y, model(x))

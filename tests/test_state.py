@@ -134,6 +134,87 @@ def test_accumulating_checkpoint_restores_into_plain_optimizer(tmp_path):
 
 
 # ----------------------------------------------------------------------
+# Sums held at the scale of their mean. With n = 4 unweighted micro-steps
+# the divisor is 4, a power of two: after the first cycle the accumulators
+# hold each sum times 1/4, and the apply step divides nothing. What is saved,
+# restored or seen mid-cycle must be the same cycle.
+
+N_SCALED = 4
+STOPS_SCALED = [5, 6, 7]  # micro_step 1, 2, 3 of the second cycle
+
+
+def _held_scale(opt) -> float:
+    return float(opt._self_accumulation.state.scale.numpy())
+
+
+def _run(model, opt, steps, traced):
+    apply = opt.apply_gradients
+    if traced:
+        apply = tf.function(lambda grads: opt.apply_gradients(zip(grads, model.trainable_variables)))
+    for k in steps:
+        grads = mse_grads(model, X[k * B : (k + 1) * B], Y[k * B : (k + 1) * B])
+        if traced:
+            apply(grads)
+        else:
+            apply(zip(grads, model.trainable_variables))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_scaled():
+    out = {}
+    for mode in MODES:
+        for traced in (False, True):
+            model, opt = _fresh(n=N_SCALED, mode=mode)
+            _run(model, opt, range(STEPS), traced)
+            out[mode, traced] = full_state(model, opt)
+    return out
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["checkpoint", "keras_file", "weights_into_trained", "view"])
+def test_sums_held_scaled_resume_bit_identical(tmp_path, uninterrupted_scaled, how, mode, traced):
+    """A checkpoint (which holds the raw sums and their scale), a Keras file
+    (which holds the plain sums; also loaded into an optimizer whose own
+    sums were held scaled) and a look at `accumulation_state` (which shows
+    the plain sums) mid-cycle all continue the same cycle."""
+    stop = STOPS_SCALED[["checkpoint", "keras_file", "weights_into_trained", "view"].index(how) % 3]
+    model, opt = _fresh(n=N_SCALED, mode=mode)
+    model.compile(optimizer=opt, loss="mse")
+    _run(model, opt, range(stop), traced)
+    assert _held_scale(opt) == 1 / N_SCALED  # the case under test
+    if how == "checkpoint":
+        path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+        model, opt = _fresh(n=N_SCALED, mode=mode)
+        tf.train.Checkpoint(model=model, optimizer=opt).restore(path).assert_consumed()
+        assert _held_scale(opt) == 1 / N_SCALED
+    elif how == "keras_file":
+        model.save(str(tmp_path / "m.keras"))
+        model = keras.models.load_model(str(tmp_path / "m.keras"))
+        opt = model.optimizer
+    elif how == "weights_into_trained":
+        model.save_weights(str(tmp_path / "m.weights.h5"))
+        model, opt = _fresh(n=N_SCALED, mode=mode)
+        model.compile(optimizer=opt, loss="mse")
+        _run(model, opt, range(STEPS - N_SCALED, STEPS), traced)  # one whole cycle
+        assert _held_scale(opt) == 1 / N_SCALED
+        model.load_weights(str(tmp_path / "m.weights.h5"))
+    else:
+        done = range(N_SCALED, stop)  # this cycle's micro-steps so far
+        expected = [np.zeros(v.shape, np.float64) for v in model.trainable_variables]
+        for k in done:
+            # The gradients at the weights of the first update, as applied.
+            grads = mse_grads(model, X[k * B : (k + 1) * B], Y[k * B : (k + 1) * B])
+            expected = [e + g.numpy() for e, g in zip(expected, grads)]
+        state = opt.accumulation_state
+        assert int(state.micro_step) == len(done)
+        for acc, e in zip(state.accumulators, expected):
+            np.testing.assert_allclose(acc.numpy(), e, rtol=1e-6, atol=1e-7)
+    _run(model, opt, range(stop, STEPS), traced)
+    assert_states_equal(uninterrupted_scaled[mode, traced], full_state(model, opt))
+
+
+# ----------------------------------------------------------------------
 # .keras files and configs
 
 

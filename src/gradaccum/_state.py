@@ -10,12 +10,14 @@ Persistence. TensorFlow checkpoints (`tf.train.Checkpoint`,
 `BackupAndRestore`, SavedModel) reach the state through `State.module`, a
 `tf.Module` that the proxy adds to the wrapped optimizer's children as
 `gradient_accumulation`: the accumulators, the micro-step counter, the
-weight total, the kept slices (`sparse="slices"`, by variable position,
+weight total, the scale the sums are held at (see `State.scale`), the kept
+slices (`sparse="slices"`, by variable position,
 restored when they are created again), and as tensors the `n`/`reduction`
 the state was written with and which variables take part; a checkpoint
 matches accumulators by position.
 Keras files (`.keras`, `.weights.h5`) reach it through `save`/`load`, under
-`gradaccum_*` keys beside the wrapped optimizer's own, with each
+`gradaccum_*` keys beside the wrapped optimizer's own, holding the plain
+sums (scale 1, see `State.unscale`), with each
 accumulator's variable named (`gradaccum_names`), so that a model that lists
 its variables in another order once reloaded (a float8-quantized `Dense`
 lists its scales first) gets each sum back on its variable. Restoring state
@@ -51,11 +53,19 @@ from gradaccum._view import AccumulationState
 class _Checkpointed(tf.Module):
     """What TensorFlow checkpoints hold of a `State` (see the module docstring)."""
 
-    def __init__(self, state: State, accumulators: list[tf.Variable], micro_step: tf.Variable, weight_total: tf.Variable):
+    def __init__(
+        self,
+        state: State,
+        accumulators: list[tf.Variable],
+        micro_step: tf.Variable,
+        weight_total: tf.Variable,
+        scale: tf.Variable,
+    ):
         super().__init__(name=CHILD)
         self.accumulators = accumulators
         self.micro_step = micro_step
         self.weight_total = weight_total
+        self.scale = scale
         # With `sparse="slices"`: the cycle's kept slices, by the position
         # of their variable (as a string), created when it first receives
         # `tf.IndexedSlices`. A checkpoint restores them when they are
@@ -136,7 +146,9 @@ class State:
             accumulators = self._new_accumulators(self.variables)
             micro_step = distribution.mirrored_counter(0, name="micro_step")
             weight_total = distribution.replica_local(tf.constant(0.0), name="weight_total")
-        self.module = _Checkpointed(self, accumulators, micro_step, weight_total)
+            # The same on every replica: it is set from the divisor, which is.
+            scale = distribution.mirrored_counter(1, name="sum_scale", dtype=tf.float32)
+        self.module = _Checkpointed(self, accumulators, micro_step, weight_total, scale)
 
     @property
     def accumulators(self) -> Sequence[tf.Variable]:
@@ -149,6 +161,16 @@ class State:
     @property
     def weight_total(self) -> tf.Variable:
         return self.module.weight_total
+
+    @property
+    def scale(self) -> tf.Variable:
+        """What the accumulators' sums are held multiplied by (float32).
+
+        1, or the reciprocal of the last cycle's divisor where that is a
+        power of two, so that a cycle like the last one ends holding its
+        mean and divides nothing (see `gradaccum._strategies`).
+        """
+        return self.module.scale
 
     def _new_accumulators(self, variables: Sequence[Any]) -> list[tf.Variable]:
         """One zero accumulator per variable (inside a creation scope)."""
@@ -170,17 +192,40 @@ class State:
             return int(self.micro_step.numpy()) > 0
 
     def settle(self) -> None:
-        """Zeroes the accumulators and the weight total between cycles.
+        """Makes the raw state read as the view documents it, eagerly.
 
-        A cycle's end leaves them holding its values, and the next cycle's
-        first micro-step writes over them (see `gradaccum._strategies`);
-        zeroed here, what is seen of a cycle not begun is zeros. Eagerly
-        only: inside a traced function the raw values are seen.
+        Between cycles, zeroes the accumulators and the weight total: a
+        cycle's end leaves them holding its values, and the next cycle's
+        first micro-step writes over them (see `gradaccum._strategies`).
+        Within a cycle, `unscale`s the sums. Inside a traced function
+        nothing is done, and the raw values are seen.
         """
-        if not tf.executing_eagerly() or self.begun():
+        if not tf.executing_eagerly():
+            return
+        if self.begun():
+            self.unscale()
             return
         for v in [*self.accumulators, self.weight_total]:
             v.assign(tf.zeros(v.shape, v.dtype), read_value=False)
+
+    def unscale(self) -> None:
+        """Divides the held sums by `scale` and sets it to 1 (eagerly).
+
+        Exact: the scale is a power of two. The rest of the cycle adds at
+        scale 1, and its end divides by the weight total itself; the cycle
+        after it is scaled again. Every replica divides its own sums.
+        """
+        if not tf.executing_eagerly():
+            return
+        scale = float(self.scale.numpy())
+        if scale == 1.0:
+            return
+        held = [acc for i, acc in enumerate(self.accumulators) if not self.keeps_maximum(i)]
+        held += [values for values, _ in self.all_kept().values()]
+        for variable in held:
+            for copy in distribution.copies(variable):
+                copy.assign(copy.read_value() / tf.cast(scale, copy.dtype), read_value=False)
+        self.scale.assign(1.0)
 
     # ------------------------------------------------------------------
     # Kept slices (`sparse="slices"`).
@@ -366,9 +411,12 @@ class State:
         Accumulator `i` goes under `accumulator_{i}`, and `names` lists each
         one's variable by its `relative_names`. Between cycles the
         accumulators and the weight total are written as zeros (they hold
-        the last cycle's values; see `settle`).
+        the last cycle's values; see `settle`); within a cycle, as plain
+        sums (`unscale`).
         """
         begun = self.begun()
+        if begun:
+            self.unscale()
         store[f"{KEY}n"] = np.asarray(self.n_code, dtype=np.int64)
         store[f"{KEY}reduction"] = np.asarray(_REDUCTION_CODES[self.reduction])
         store[f"{KEY}micro_step"] = np.asarray(self.micro_step.numpy())
@@ -437,3 +485,4 @@ class State:
         else:  # written before weights existed: every micro-batch weighed 1
             total = np.asarray(self.micro_step.numpy(), np.float32)
         self.weight_total.assign(distribution.per_replica_share(total))
+        self.scale.assign(1.0)  # a file holds the plain sums

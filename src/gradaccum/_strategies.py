@@ -40,6 +40,22 @@ which hold the raw values, restore them into any mode, since every mode
 overwrites on the first micro-step. Kept slices (`sparse="slices"`) are
 still emptied when a cycle ends: they grow with every micro-step.
 
+Sums held at the scale of their mean. Dividing the sums for the mean is a
+pass over all of them once per cycle, which profiles showed as the one pass
+skip mode made beyond Keras's own option (Keras divides by a constant,
+which TensorFlow folds into the update's first multiply). So every strategy
+holds a cycle's sums multiplied by `State.scale`: the reciprocal of the
+last cycle's divisor where that is a power of two, else 1. Each
+micro-gradient's weight is multiplied by it as it is added (no extra pass),
+and a cycle whose divisor equals the last one's ends holding its mean and
+divides nothing; any other divides by `divisor * scale`. Scaling by a power
+of two is exact, so the mean is bit for bit the same either way, except
+for micro-gradient elements within a factor of the divisor of float32's
+smallest normal number (about 1e-38), which TensorFlow's CPU kernels flush
+to zero one micro-step earlier. The scale changes only when a cycle ends,
+and is the same on every replica (the divisor is). What is seen eagerly
+and saved in Keras files are the plain sums (`State.unscale`).
+
 All three give the same results (tested).
 
 Variables Keras marks `overwrite_with_gradient` (float8 scales and amax
@@ -101,6 +117,12 @@ class CycleStrategy:
         if weight is not None:
             self.weighted = True
             weight = tf.cast(weight, tf.float32)
+        # Each contribution at the scale the sums are held at (see the module
+        # docstring): the weight times a power of two, exact.
+        scaled = weight
+        if self.reduction == "mean":
+            scale = state.scale.value()
+            scaled = scale if weight is None else weight * scale
         first = tf.equal(state.micro_step.value(), 0)
         given = set()
         dense: tuple[list[tf.Variable], list[Any]] = ([], [])
@@ -112,9 +134,9 @@ class CycleStrategy:
                 # maximum has none to scale.
                 tensors.max_into(state.accumulators[i], g, first)
             elif self.keeps_slices and isinstance(g, tf.IndexedSlices):
-                tensors.append_slices(*state.slice_buffers(i), g, weight)
+                tensors.append_slices(*state.slice_buffers(i), g, scaled)
             elif isinstance(g, tf.IndexedSlices):
-                tensors.scatter_into(state.accumulators[i], g, weight, first)
+                tensors.scatter_into(state.accumulators[i], g, scaled, first)
             else:
                 if self.keeps_slices and state.keeps_slices(i):
                     _refuse_mixed(state.variables[i])
@@ -122,7 +144,7 @@ class CycleStrategy:
                 dense[1].append(g)
             given.add(i)
             state.take_part(i)
-        tensors.add_into(*dense, weight, self.into_new, first)
+        tensors.add_into(*dense, scaled, self.into_new, first)
         # Every other accumulator: the last cycle's sums must not count in
         # this one. Not only those of variables taking part when this step
         # was traced: another trace may have made more take part since.
@@ -133,8 +155,7 @@ class CycleStrategy:
         tensors.add_scalar(state.weight_total, tf.constant(1.0) if weight is None else weight, first)
 
     def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
-        """Runs the update of `included` variables; on `keep_new`, keeps it
-        and clears the accumulators and the weight total.
+        """Runs the update of `included` variables; keeps it on `keep_new`.
 
         Args:
             keep_new: Scalar boolean tensor: this micro-step ends the cycle.
@@ -142,13 +163,35 @@ class CycleStrategy:
             options: The wrapped optimizer's extra `apply_gradients`
                 arguments (see `OptimizerFamily.apply_options`).
         """
+        total = self.total()
+        divisor = None
+        if total is not None:
+            scale = self.state.scale
+
+            def divisor() -> tf.Tensor:
+                # Exact: the scale is a power of two.
+                return total() * scale.value()
+
+        self.finish_with(keep_new, included, options, divisor)
+        if total is not None:
+            self._rescale_if(keep_new, total)
+
+    def finish_with(
+        self,
+        keep_new: tf.Tensor,
+        included: list[int],
+        options: Mapping[str, Any],
+        divisor: Callable[[], tf.Tensor] | None,
+    ) -> None:
+        """`finish_if`, where `divisor()` gives what the held sums are divided
+        by for the mean (None for `"sum"`); 1 where they hold it already."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------
     # Shared pieces.
 
-    def divisor(self) -> Callable[[], tf.Tensor] | None:
-        """What the accumulated sum is divided by (None for `"sum"`).
+    def total(self) -> Callable[[], tf.Tensor] | None:
+        """The mean's divisor, the weight total (None for `"sum"`).
 
         Unweighted, each replica divides its sum by its own micro-batch count
         and the wrapped optimizer's all-reduce adds the replicas' shares, as
@@ -174,6 +217,16 @@ class CycleStrategy:
             return tf.where(t > 0, t, tf.ones_like(t))
 
         return divisor
+
+    def _rescale_if(self, keep_new: tf.Tensor, total: Callable[[], tf.Tensor]) -> None:
+        """On `keep_new`, sets the scale of the next cycle's sums: the
+        reciprocal of this cycle's divisor if that is a power of two of at
+        least 1 (a smaller one would scale up, towards overflow), else 1."""
+        t = total()
+        usable = tf.logical_and(t >= 1.0, tensors.is_power_of_two(t))
+        following = tf.where(usable, tf.math.reciprocal(t), tf.ones_like(t))
+        scale = self.state.scale
+        scale.assign(tensors.select(keep_new, following, scale.value()), read_value=False)
 
     def _pieces(self, included: list[int]) -> tuple[list[tf.Variable], list[tf.Variable], list[Any]]:
         """The included accumulators, those of them the mean divides (not
@@ -265,10 +318,15 @@ class Masked(CycleStrategy):
     undivided sums; its result is discarded anyway.
     """
 
-    def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
+    def finish_with(
+        self,
+        keep_new: tf.Tensor,
+        included: list[int],
+        options: Mapping[str, Any],
+        divisor: Callable[[], tf.Tensor] | None,
+    ) -> None:
         accumulators, divided, variables = self._pieces(included)
         family = self.family
-        divisor = self.divisor()
         if divisor is not None:
             tensors.divide_if(keep_new, divided, divisor)
         # Every variable the optimizer was built for, not only those in this
@@ -300,22 +358,28 @@ class Skipped(CycleStrategy):
     """The update runs only on apply steps; the accumulators are divided in
     place, applied and (for optimizers that grow) zeroed inside its branch."""
 
-    def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
+    def finish_with(
+        self,
+        keep_new: tf.Tensor,
+        included: list[int],
+        options: Mapping[str, Any],
+        divisor: Callable[[], tf.Tensor] | None,
+    ) -> None:
         accumulators, divided, variables = self._pieces(included)
 
-        def divide_and_apply(keep_new: tf.Tensor) -> None:
-            divisor = self.divisor()
+        def divide_and_apply(keep_new: tf.Tensor, divisor: tf.Tensor | None = None) -> None:
             if divisor is not None:
-                tensors.divide_in_place(divided, divisor())
-            values = self.with_slices(_read(accumulators), included, divisor and divisor())
+                tensors.divide_in_place(divided, divisor)
+            values = self.with_slices(_read(accumulators), included, divisor)
             self.apply(values, variables, options)
             if self.clears_at_end:
                 # `keep_new` is True here: its negation is a run-time zero.
                 tensors.zero(accumulators, tf.logical_not(keep_new))
             tensors.clear_slices(self.state.kept_buffers(included))
 
-        # `keep_new` as an argument: it is a per-replica input.
-        updates.skipped_update(keep_new, divide_and_apply, keep_new)
+        # `keep_new` and the divisor as arguments: they are per-replica inputs.
+        inputs = [keep_new] if divisor is None else [keep_new, divisor()]
+        updates.skipped_update(keep_new, divide_and_apply, *inputs)
 
 
 class SkippedIntoNew(CycleStrategy):
@@ -323,11 +387,16 @@ class SkippedIntoNew(CycleStrategy):
 
     into_new = True
 
-    def finish_if(self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any]) -> None:
+    def finish_with(
+        self,
+        keep_new: tf.Tensor,
+        included: list[int],
+        options: Mapping[str, Any],
+        divisor: Callable[[], tf.Tensor] | None,
+    ) -> None:
         accumulators, _, variables = self._pieces(included)
         maxima = [self.state.keeps_maximum(i) for i in included]
         values = _read(accumulators)
-        divisor = self.divisor()
         # Read here and handed to the branch, as the accumulators are (see
         # the module docstring).
         inputs = [values] if divisor is None else [values, divisor()]

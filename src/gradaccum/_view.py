@@ -9,9 +9,13 @@ class AccumulationState(NamedTuple):
     """A read-only view of an `AccumulatingOptimizer`'s accumulation state.
 
     The end of a cycle does not clear the accumulators and the weight
-    total: the next cycle's first micro-step writes over them. Taking the
-    view eagerly between cycles (`micro_step == 0`) zeroes them, so they
-    read as zeros; inside a traced function the raw values are seen.
+    total: the next cycle's first micro-step writes over them. And within a
+    cycle the accumulators may hold the sums multiplied by a power of two
+    (the reciprocal of the last cycle's weight total, so that the apply
+    step has nothing left to divide). Taking the view eagerly makes them
+    read as documented below: between cycles (`micro_step == 0`) it zeroes
+    them, within a cycle it divides that factor out (exactly). Inside a
+    traced function the raw values are seen.
 
     Attributes:
         variables: The variables gradients are accumulated for, in the order

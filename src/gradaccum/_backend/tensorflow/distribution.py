@@ -79,6 +79,18 @@ def local_copy(variable: tf.Variable) -> tf.Variable:
     return variable
 
 
+def copies(variable: tf.Variable) -> list[tf.Variable]:
+    """Every replica's copy of a distributed variable (else `[variable]`).
+
+    For eager writes that differ per replica, which a replica-local
+    variable's own `assign` (splitting one value among the replicas) cannot
+    make.
+    """
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return list(variable.values)
+    return [variable]
+
+
 def mirrored_counter(initial: int, name: str, dtype: tf.DType = tf.int64) -> tf.Variable:
     """A scalar every replica holds and advances identically."""
     return tf.Variable(

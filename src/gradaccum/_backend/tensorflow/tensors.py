@@ -248,7 +248,8 @@ def select(keep_new: tf.Tensor, new: Any, old: Any) -> tf.Tensor:
 
 
 def divide_in_place(variables: Sequence[tf.Variable], divisor: tf.Tensor) -> None:
-    """Divides each of the replica-local `variables` by the scalar `divisor`.
+    """Divides each of the replica-local `variables` by the scalar `divisor`
+    (a float32 tensor), unless it is 1.
 
     One after the other: each quotient replaces its variable's buffer before
     the next one is allocated, so at most one variable's worth is allocated
@@ -259,11 +260,17 @@ def divide_in_place(variables: Sequence[tf.Variable], divisor: tf.Tensor) -> Non
     of the update can reuse that buffer, so the update allocates the same
     whichever order it runs in.
     """
-    done: list[Any] = []
-    for v in variables:
-        with tf.control_dependencies(done):
-            quotient = v.value() / tf.cast(divisor, v.dtype)
-            done = [v.assign(quotient, read_value=False)]
+
+    def divide() -> None:
+        done: list[Any] = []
+        for v in variables:
+            with tf.control_dependencies(done):
+                quotient = v.value() / tf.cast(divisor, v.dtype)
+                done = [v.assign(quotient, read_value=False)]
+
+    # A divisor of 1 is the common case: sums held at the scale of their
+    # mean (see `gradaccum._strategies`).
+    tf.cond(tf.equal(divisor, 1.0), nothing, divide)
 
 
 def divide_if(
@@ -334,6 +341,9 @@ def is_power_of_two(x: tf.Tensor) -> tf.Tensor | None:
 def quotients(values: Sequence[tf.Tensor], divisor: tf.Tensor) -> list[tf.Tensor]:
     """`[v / divisor for v in values]`, bit for bit, for a positive scalar `divisor`.
 
+    A divisor of 1 (sums held at the scale of their mean, the common case;
+    see `gradaccum._strategies`) passes the values on as they are.
+
     A CPU divides several times slower than it multiplies: in profiles of
     the apply step in `fit`, the division ops took 3.2-3.6 ms against 1.4 ms
     for Keras's option, which multiplies by `1 / n` instead. Where `divisor`
@@ -358,7 +368,13 @@ def quotients(values: Sequence[tf.Tensor], divisor: tf.Tensor) -> list[tf.Tensor
             r = tf.math.reciprocal(d)
             return [v * r for v in group]
 
-        results = divide() if exact is None else tf.cond(exact, multiply, divide)
+        def quotient(group: list[tf.Tensor] = group, exact: Any = exact) -> list[tf.Tensor]:
+            return divide() if exact is None else tf.cond(exact, multiply, divide)
+
+        def same(group: list[tf.Tensor] = group) -> list[tf.Tensor]:
+            return list(group)
+
+        results = tf.cond(tf.equal(d, 1), same, quotient)
         for k, q in zip(ks, results):
             out[k] = q
     return out
