@@ -77,6 +77,10 @@ from gradaccum._family import OptimizerFamily
 from gradaccum._state import State
 
 
+# What the held sums are divided by for the mean, called where it is needed.
+Divisor = Callable[[], tf.Tensor]
+
+
 class CycleStrategy:
     """What every strategy shares: adding, the mean's divisor, applying.
 
@@ -177,11 +181,7 @@ class CycleStrategy:
             self._rescale_if(keep_new, total)
 
     def finish_with(
-        self,
-        keep_new: tf.Tensor,
-        included: list[int],
-        options: Mapping[str, Any],
-        divisor: Callable[[], tf.Tensor] | None,
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
     ) -> None:
         """`finish_if`, where `divisor()` gives what the held sums are divided
         by for the mean (None for `"sum"`); 1 where they hold it already."""
@@ -319,11 +319,7 @@ class Masked(CycleStrategy):
     """
 
     def finish_with(
-        self,
-        keep_new: tf.Tensor,
-        included: list[int],
-        options: Mapping[str, Any],
-        divisor: Callable[[], tf.Tensor] | None,
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
     ) -> None:
         accumulators, divided, variables = self._pieces(included)
         family = self.family
@@ -359,11 +355,7 @@ class Skipped(CycleStrategy):
     place, applied and (for optimizers that grow) zeroed inside its branch."""
 
     def finish_with(
-        self,
-        keep_new: tf.Tensor,
-        included: list[int],
-        options: Mapping[str, Any],
-        divisor: Callable[[], tf.Tensor] | None,
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
     ) -> None:
         accumulators, divided, variables = self._pieces(included)
 
@@ -388,11 +380,7 @@ class SkippedIntoNew(CycleStrategy):
     into_new = True
 
     def finish_with(
-        self,
-        keep_new: tf.Tensor,
-        included: list[int],
-        options: Mapping[str, Any],
-        divisor: Callable[[], tf.Tensor] | None,
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
     ) -> None:
         accumulators, _, variables = self._pieces(included)
         maxima = [self.state.keeps_maximum(i) for i in included]
