@@ -67,7 +67,7 @@ step writes undivided.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 
@@ -75,10 +75,6 @@ from gradaccum._agc import AdaptiveClipping
 from gradaccum._backend.tensorflow import distribution, tensors, updates
 from gradaccum._family import OptimizerFamily
 from gradaccum._state import State
-
-
-# What the held sums are divided by for the mean, called where it is needed.
-Divisor = Callable[[], tf.Tensor]
 
 
 class CycleStrategy:
@@ -168,29 +164,23 @@ class CycleStrategy:
                 arguments (see `OptimizerFamily.apply_options`).
         """
         total = self.total()
-        divisor = None
-        if total is not None:
-            scale = self.state.scale
-
-            def divisor() -> tf.Tensor:
-                # Exact: the scale is a power of two.
-                return total() * scale.value()
-
+        # Exact: the scale is a power of two.
+        divisor = None if total is None else total * self.state.scale.value()
         self.finish_with(keep_new, included, options, divisor)
         if total is not None:
             self._rescale_if(keep_new, total)
 
     def finish_with(
-        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: tf.Tensor | None
     ) -> None:
-        """`finish_if`, where `divisor()` gives what the held sums are divided
-        by for the mean (None for `"sum"`); 1 where they hold it already."""
+        """`finish_if`, where `divisor` is what the held sums are divided by
+        for the mean (None for `"sum"`); 1 where they hold it already."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------
     # Shared pieces.
 
-    def total(self) -> Callable[[], tf.Tensor] | None:
+    def total(self) -> tf.Tensor | None:
         """The mean's divisor, the weight total (None for `"sum"`).
 
         Unweighted, each replica divides its sum by its own micro-batch count
@@ -199,30 +189,23 @@ class CycleStrategy:
         replicas (one scalar all-reduce) divided by the replica count, since
         Keras already scales every replica's loss by 1 / replicas.
 
-        Returns a function that gives the divisor, to be called where it is
-        needed (inside the branch that divides); the all-reduce, which must
-        not run inside a branch, runs here, unconditionally.
+        Read once per micro-step, after the micro-step's add and outside any
+        branch: the all-reduce must not run inside one, and the branches
+        that divide take it as an input.
         """
         if self.reduction == "sum":
             return None
-        weight_total = self.state.weight_total
+        t = self.state.weight_total.value()
         replicas = distribution.replicas_in_sync()
-        total = None
         if self.weighted and replicas > 1:
-            total = distribution.sum_over_replicas(weight_total.value()) / float(replicas)
+            t = distribution.sum_over_replicas(t) / float(replicas)
+        # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
+        return tf.where(t > 0, t, tf.ones_like(t))
 
-        def divisor() -> tf.Tensor:
-            t = weight_total.value() if total is None else total
-            # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
-            return tf.where(t > 0, t, tf.ones_like(t))
-
-        return divisor
-
-    def _rescale_if(self, keep_new: tf.Tensor, total: Callable[[], tf.Tensor]) -> None:
+    def _rescale_if(self, keep_new: tf.Tensor, t: tf.Tensor) -> None:
         """On `keep_new`, sets the scale of the next cycle's sums: the
-        reciprocal of this cycle's divisor if that is a power of two of at
-        least 1 (a smaller one would scale up, towards overflow), else 1."""
-        t = total()
+        reciprocal of this cycle's divisor `t` if that is a power of two of
+        at least 1 (a smaller one would scale up, towards overflow), else 1."""
         usable = tf.logical_and(t >= 1.0, tensors.is_power_of_two(t))
         following = tf.where(usable, tf.math.reciprocal(t), tf.ones_like(t))
         scale = self.state.scale
@@ -319,7 +302,7 @@ class Masked(CycleStrategy):
     """
 
     def finish_with(
-        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: tf.Tensor | None
     ) -> None:
         accumulators, divided, variables = self._pieces(included)
         family = self.family
@@ -338,7 +321,7 @@ class Masked(CycleStrategy):
             keep_new,
             tracked,
             lambda: self.apply(
-                self.with_slices(_read(accumulators), included, divisor and divisor()),
+                self.with_slices(_read(accumulators), included, divisor),
                 variables,
                 options,
             ),
@@ -355,7 +338,7 @@ class Skipped(CycleStrategy):
     place, applied and (for optimizers that grow) zeroed inside its branch."""
 
     def finish_with(
-        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: tf.Tensor | None
     ) -> None:
         accumulators, divided, variables = self._pieces(included)
 
@@ -370,7 +353,7 @@ class Skipped(CycleStrategy):
             tensors.clear_slices(self.state.kept_buffers(included))
 
         # `keep_new` and the divisor as arguments: they are per-replica inputs.
-        inputs = [keep_new] if divisor is None else [keep_new, divisor()]
+        inputs = [keep_new] if divisor is None else [keep_new, divisor]
         updates.skipped_update(keep_new, divide_and_apply, *inputs)
 
 
@@ -380,14 +363,14 @@ class SkippedIntoNew(CycleStrategy):
     into_new = True
 
     def finish_with(
-        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: Divisor | None
+        self, keep_new: tf.Tensor, included: list[int], options: Mapping[str, Any], divisor: tf.Tensor | None
     ) -> None:
         accumulators, _, variables = self._pieces(included)
         maxima = [self.state.keeps_maximum(i) for i in included]
         values = _read(accumulators)
         # Read here and handed to the branch, as the accumulators are (see
         # the module docstring).
-        inputs = [values] if divisor is None else [values, divisor()]
+        inputs = [values] if divisor is None else [values, divisor]
 
         def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
             if divisor is not None:

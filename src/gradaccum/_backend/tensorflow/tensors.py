@@ -8,7 +8,7 @@ synchronises nothing (no all-reduce, no `merge_call` inside).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
@@ -273,12 +273,8 @@ def divide_in_place(variables: Sequence[tf.Variable], divisor: tf.Tensor) -> Non
     tf.cond(tf.equal(divisor, 1.0), nothing, divide)
 
 
-def divide_if(
-    keep_new: tf.Tensor,
-    variables: Sequence[tf.Variable],
-    divisor: Callable[[], tf.Tensor],
-) -> None:
-    """`divide_in_place` by `divisor()` if `keep_new` (called in the branch).
+def divide_if(keep_new: tf.Tensor, variables: Sequence[tf.Variable], divisor: tf.Tensor) -> None:
+    """`divide_in_place` by the scalar `divisor` if `keep_new`.
 
     The `tf.cond` takes every variable as an input, so it runs once all
     writes made so far to any of them have run: what reads them after it
@@ -286,11 +282,10 @@ def divide_if(
     XLA a select instead (see `compiled_by_xla`).
     """
     if compiled_by_xla():
-        d = divisor()
         for v in variables:
-            v.assign(select(keep_new, v.value() / tf.cast(d, v.dtype), v.value()), read_value=False)
+            v.assign(select(keep_new, v.value() / tf.cast(divisor, v.dtype), v.value()), read_value=False)
         return
-    tf.cond(keep_new, lambda: divide_in_place(variables, divisor()), nothing)
+    tf.cond(keep_new, lambda: divide_in_place(variables, divisor), nothing)
 
 
 def zero(variables: Sequence[tf.Variable], zero_value: tf.Tensor) -> None:

@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator, Sequence
 import tensorflow as tf
 
 from gradaccum import _patches
-from gradaccum._backend.tensorflow.distribution import assign_each, in_cross_replica
+from gradaccum._backend.tensorflow.distribution import assign_each, copies, in_cross_replica
 from gradaccum._backend.tensorflow.tensors import nothing, select
 
 
@@ -276,13 +276,7 @@ def _shared(objects: Sequence[Any], make: Callable[[Any], _Mask]) -> Iterator[No
 
 def _leaf_variables(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
     """The variables writes reach: each replica's copy of a distributed one."""
-    leaves: list[tf.Variable] = []
-    for v in variables:
-        if isinstance(v, tf.distribute.DistributedValues):
-            leaves.extend(v.values)
-        else:
-            leaves.append(v)
-    return _unique(leaves)
+    return _unique([copy for v in variables for copy in copies(v)])
 
 
 def masking_writes(variables: Sequence[tf.Variable], keep_new: tf.Tensor) -> contextlib.AbstractContextManager:
