@@ -272,9 +272,10 @@ class Accumulation:
             weight = count
         state.refresh_participants()
         self._check_unmet(lambda: state.micro_step.value() + 1 >= self.current_n())
-        self.strategy.add(grads, indices, weight)
         count = state.micro_step.value() + 1
-        self._finish_if(count >= self.current_n(), count)
+        keep_new = count >= self.current_n()
+        sums = self.strategy.add(grads, indices, weight, keep_new)
+        self._finish_if(keep_new, count, sums)
 
     def follow(self, follower: Any) -> None:
         """Makes `flush()` call `follower.flush()` too, while it lives.
@@ -306,10 +307,12 @@ class Accumulation:
         self._check_unmet(lambda: count > 0)
         self._finish_if(count > 0, count)
 
-    def _finish_if(self, keep_new: tf.Tensor, count: tf.Tensor) -> None:
+    def _finish_if(
+        self, keep_new: tf.Tensor, count: tf.Tensor, sums: Mapping[int, tf.Tensor] | None = None
+    ) -> None:
         state = self.state
         self._check_left_out(keep_new)
-        self.strategy.finish_if(keep_new, state.participants(), self._options)
+        self.strategy.finish_if(keep_new, state.participants(), self._options, sums)
         state.micro_step.assign(tensors.select(keep_new, tf.zeros_like(count), count))
 
     # ------------------------------------------------------------------

@@ -81,7 +81,8 @@ def add_into(
     weight: Any,
     into_new: bool,
     first: tf.Tensor,
-) -> None:
+    hand_over: tf.Tensor | None = None,
+) -> list[tf.Tensor] | None:
     """Adds `weight * grad` (or `grad`, for `weight=None`) to each accumulator,
     or on a cycle's first micro-step writes it over what the accumulator holds.
 
@@ -104,11 +105,31 @@ def add_into(
             micro-step with one per variable), whose overwrite hands each
             (weighted) gradient's buffer over without a pass over the old
             sums.
+        hand_over: None, or a scalar boolean tensor: this micro-step ends
+            the cycle. Then the sums after the add are returned, and on a
+            step that ends a cycle (not its first), traced and not compiled
+            by XLA, each accumulator takes its gradient's buffer in place of
+            its sum's: the sum returned is then held by nothing else, so the
+            update's first operation can write into it where it would
+            otherwise allocate (SGD's `lr * grad`; Keras's option hands its
+            update a temporary `g + acc` the same way). Between cycles those
+            accumulators hold their last micro-gradients, which the next
+            cycle's first micro-step writes over like any sums; the
+            gradients' buffers are taken over, not copied, being used by
+            nothing after this.
+
+    Returns:
+        With `hand_over`, each accumulator's sum after this micro-step (in
+        the order given); else None.
     """
     w = None if weight is None else tf.cast(weight, tf.float32)
     pairs = [(a, tf.cast(g, a.dtype)) for a, g in zip(accumulators, grads)]
     if not pairs:
-        return
+        return None if hand_over is None else []
+
+    def sums() -> list[tf.Tensor]:
+        # As the update reads them (see `gradaccum._strategies._read`).
+        return [a.read_value() for a, _ in pairs]
 
     def weighted(a: tf.Variable, g: tf.Tensor) -> tf.Tensor:
         return g if w is None else g * tf.cast(w, a.dtype)
@@ -120,7 +141,7 @@ def add_into(
         for a, g in pairs:
             new = weighted(a, g)
             a.assign(select(first, new, a.value() + new), read_value=False)
-        return
+        return None if hand_over is None else sums()
 
     def add() -> None:
         for a, g in pairs:
@@ -143,7 +164,32 @@ def add_into(
         for a, g in pairs:
             a.assign(weighted(a, g), read_value=False)
 
-    tf.cond(first, overwrite, add)
+    if hand_over is None:
+        tf.cond(first, overwrite, add)
+        return None
+    if tf.executing_eagerly():
+        # Eagerly the caller still holds the gradients: taking them over
+        # would be a copy.
+        tf.cond(first, overwrite, add)
+        return sums()
+
+    def then_sums(write: Any) -> Any:
+        def branch() -> list[tf.Tensor]:
+            write()
+            return sums()
+
+        return branch
+
+    def add_and_hand_over() -> list[tf.Tensor]:
+        add()
+        held = sums()
+        # After the reads (ordered on each variable), so they read the sums.
+        for a, g in pairs:
+            a.assign(g, read_value=False)
+        return held
+
+    branch = tf.where(first, 0, tf.where(hand_over, 2, 1))
+    return tf.switch_case(branch, [then_sums(overwrite), then_sums(add), add_and_hand_over])
 
 
 def slice_buffers(variable: Any, colocate_with: Any) -> tuple[tf.Variable, tf.Variable]:
