@@ -48,7 +48,11 @@ independent operations. Under the system allocator
 once) freed tensors leave the resident set, so the peak resident set size
 over the measured micro-steps is what the variant holds while it trains.
 "extra" is a variant's peak minus the plain optimizer's peak, in multiples
-of the parameter bytes.
+of the parameter bytes. All this holds where oneDNN is on (TensorFlow turns
+it on by default only on CPUs with AVX-512; `TF_ENABLE_ONEDNN_OPTS=1` turns
+it on elsewhere). Without it the default allocator is `malloc` as well and
+keeps no statistics: both columns of resident peaks then measure the same
+thing, and the allocator's columns read "n/a". The report says which.
 
 Growth: 5,000 micro-steps of `fit` in a fresh process, resident set size
 sampled every 250 steps.
@@ -348,6 +352,19 @@ def _nbytes(variables) -> int:
     return total
 
 
+def _allocator_stats(tf, reset: bool = False) -> dict | None:
+    """TensorFlow's CPU allocator statistics (`current`, `peak` bytes), or
+    None where it keeps none: its CPU allocator is the oneDNN pool only where
+    oneDNN is on (by default only on CPUs with AVX-512; `TF_ENABLE_ONEDNN_OPTS`
+    decides), and the plain one raises on both calls."""
+    try:
+        if reset:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        return tf.config.experimental.get_memory_info("CPU:0")
+    except ValueError:
+        return None
+
+
 def memory_child(variant: str, steps: int) -> dict:
     tf, keras = _tf()
     from gradaccum import accumulate
@@ -375,17 +392,17 @@ def memory_child(variant: str, steps: int) -> dict:
     state = getattr(opt, "accumulation_state", None)
     acc_bytes = _nbytes(state.accumulators) if state is not None else 0
     # In-between micro-steps only (warm-up ended on an apply step).
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    _allocator_stats(tf, reset=True)
     model.fit(ds.take(N - 1), epochs=1, verbose=0)
-    tf_in_between = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    tf_in_between = (_allocator_stats(tf) or {}).get("peak")
     model.fit(ds.take(1), epochs=1, verbose=0)
     rss_before = _rss_kib()
-    tf_before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf_before = (_allocator_stats(tf) or {}).get("current")
     _reset_peak()
-    tf.config.experimental.reset_memory_stats("CPU:0")
+    _allocator_stats(tf, reset=True)
     model.fit(ds, epochs=1, verbose=0)
     peak = _rss_kib("VmHWM")
-    tf_mem = tf.config.experimental.get_memory_info("CPU:0")
+    tf_mem = _allocator_stats(tf) or {}
     return {
         "param_bytes": params,
         "optimizer_variable_bytes": opt_bytes,
@@ -393,9 +410,9 @@ def memory_child(variant: str, steps: int) -> dict:
         "rss_before_kib": rss_before,
         "peak_kib": peak,
         "tf_before_bytes": tf_before,
-        "tf_peak_bytes": tf_mem["peak"],
+        "tf_peak_bytes": tf_mem.get("peak"),
         "tf_peak_in_between_bytes": tf_in_between,
-        "tf_after_bytes": tf_mem["current"],
+        "tf_after_bytes": tf_mem.get("current"),
     }
 
 
@@ -462,7 +479,8 @@ def run_memory(quick: bool, log) -> dict:
         for key in ("peak_kib", "tf_peak_bytes", "tf_peak_in_between_bytes", "tf_before_bytes",
                     "rss_before_kib"):
             values = [run[key] for run in runs["pool"][name]]
-            r[key] = float(np.median(values))
+            # None: the allocator keeps no statistics (see `_allocator_stats`).
+            r[key] = None if None in values else float(np.median(values))
             r[key + "_runs"] = values
         values = [run["peak_kib"] for run in runs["system"][name]]
         r["peak_kib_system"] = float(np.median(values))
@@ -478,7 +496,8 @@ def run_memory(quick: bool, log) -> dict:
     }
     for r in results.values():
         for extra, (key, unit) in extras.items():
-            r[extra] = (r[key] - base[key]) * unit / r["param_bytes"]
+            r[extra] = (None if r[key] is None
+                        else (r[key] - base[key]) * unit / r["param_bytes"])
     return results
 
 
@@ -602,6 +621,17 @@ def run_tracing(quick: bool, log) -> dict:
 # Report.
 
 
+def _onednn_enabled() -> bool | None:
+    """Whether TensorFlow runs its oneDNN kernels and allocator (None: unknown).
+    It changes which kernels run and what the allocator keeps, so it belongs
+    with the machine."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return None
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 def machine() -> dict:
     tf, keras = _tf()
     import gradaccum
@@ -618,6 +648,7 @@ def machine() -> dict:
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "platform": platform.platform(),
+        "onednn": _onednn_enabled(),
         "gradaccum": os.path.relpath(os.path.dirname(gradaccum.__file__), os.path.join(HERE, "..")),
     }
 
@@ -678,6 +709,8 @@ def _timing_row(name: str, ratios: np.ndarray, goal: float) -> tuple[str, str, s
 
 def _memory_row(name: str, mem: dict, key: str, goal: float) -> tuple[str, str, str, str]:
     """A target on the masked mode's median peak minus plain's, in parameter bytes."""
+    if mem["masked"][key] is None or mem["plain B"][key] is None:
+        return name, "n/a (the allocator keeps no statistics)", f"<= {goal}", "not measured"
     scale = {"peak_kib": 1024, "peak_kib_system": 1024, "tf_peak_bytes": 1}[key]
     scale /= mem["masked"]["param_bytes"]
     masked = np.array(mem["masked"][key + "_runs"], dtype=float) * scale
@@ -689,8 +722,9 @@ def _memory_row(name: str, mem: dict, key: str, goal: float) -> tuple[str, str, 
 def report(res: dict, print_fn=print) -> None:
     p = print_fn
     m = res["machine"]
-    p(f"\nMachine: {m['cpu']}, {m['cores']} cores; Python {m['python']}, "
-      f"TensorFlow {m['tensorflow']}, Keras {m['keras']}")
+    onednn = {True: "on", False: "off", None: "unknown"}[m.get("onednn")]
+    p(f"\nMachine: {m['cpu']}, {m['cores']} cores; {m['platform']}; Python {m['python']}, "
+      f"TensorFlow {m['tensorflow']} (oneDNN {onednn}), Keras {m['keras']}")
     p(f"Load average (1 min) at start / end: {res['load'][0]:.2f} / {res['load'][1]:.2f}")
     if "time" in res:
         p("\nTime per micro-step, ratio to the plain optimizer at micro-batch B (median of "
@@ -724,11 +758,16 @@ def report(res: dict, print_fn=print) -> None:
           "extra | extra, in-between steps only | peak RSS, default allocator | extra | "
           "peak RSS, system allocator | extra |")
         p("|---|---|---|---|---|---|---|---|---|")
+        def shown(value, fmt, unit=""):
+            return "n/a" if value is None else format(value, fmt) + unit
+
         for name, r in mem.items():
+            tf_peak = None if r["tf_peak_bytes"] is None else r["tf_peak_bytes"] / 2**20
             p(f"| {name} | {r['optimizer_variable_bytes'] / 2**20:.0f} + "
               f"{r['accumulator_bytes'] / 2**20:.0f} | "
-              f"{r['tf_peak_bytes'] / 2**20:.0f} | "
-              f"{r['extra_tf_x_params']:.2f}x | {r['extra_tf_in_between_x_params']:.2f}x | "
+              f"{shown(tf_peak, '.0f')} | "
+              f"{shown(r['extra_tf_x_params'], '.2f', 'x')} | "
+              f"{shown(r['extra_tf_in_between_x_params'], '.2f', 'x')} | "
               f"{r['peak_kib'] / 1024:.0f} | {r['extra_rss_x_params']:.2f}x | "
               f"{r['peak_kib_system'] / 1024:.0f} | {r['extra_rss_system_x_params']:.2f}x |")
     if "growth" in res:
