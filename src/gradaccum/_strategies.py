@@ -427,7 +427,9 @@ class SkippedIntoNew(CycleStrategy):
         maxima = [self.state.keeps_maximum(i) for i in included]
         # Read here (or as `add` left them, handed over) and handed to the
         # branch (see the module docstring).
-        values = [sums[i] if i in sums else read for i, read in zip(included, _read(accumulators))]
+        # Only the rest are read: a handed-over accumulator now holds its
+        # micro-gradient.
+        values = [sums[i] if i in sums else _read([a])[0] for i, a in zip(included, accumulators)]
         inputs = [values] if divisor is None else [values, divisor]
 
         def apply_sums(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
