@@ -99,10 +99,10 @@ from bench import (  # noqa: E402
     _nbytes,
     _reset_peak,
     _rss_kib,
-    _step_timer,
     counting_updates,
     make_data,
     rotated,
+    time_variants,
 )
 
 N = 4  # micro-batches per update
@@ -171,50 +171,23 @@ def variants() -> dict[str, tuple[Callable[[], Any], int]]:
 def run_time(rounds: int, log) -> dict:
     x, y = make_data("mlp", B * N)
     made = variants()
-    names = list(made)
-    creation = [(name, c) for c in range(COPIES)
-                for name in (names if c % 2 == 0 else names[::-1])]
-    log(f"  time: {len(creation)} models, {N} micro-steps x {rounds} rounds ", end="")
-    runs = {}
-    for name, c in creation:
-        make_opt, factor = made[name]
+    log(f"  time: {COPIES * len(made)} models, {N} micro-steps x {rounds} rounds ", end="")
+
+    def fit_for(make_opt: Callable[[], Any], factor: int) -> Callable[[list], None]:
         model = make_model("mlp")
         model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit())
-        for _ in range(3):  # trace, then untimed runs
-            model.fit(x, y, batch_size=B * factor, epochs=1, shuffle=False, verbose=0)
-        runs[name, c] = (model, factor, _step_timer())
-    steps_cpu = {k: [] for k in names}
-    cpu = {k: [] for k in names}
-    wall = {k: [] for k in names}
-    for r in range(rounds):
-        spent = {k: [0.0, 0.0, 0.0] for k in names}
-        for key in rotated(creation, r):
-            model, factor, timer = runs[key]
-            c0, w0 = time.process_time(), time.perf_counter()
+
+        def fit(callbacks: list) -> None:
             model.fit(x, y, batch_size=B * factor, epochs=1, shuffle=False, verbose=0,
-                      callbacks=[timer])
-            spent[key[0]][1] += time.process_time() - c0
-            spent[key[0]][2] += time.perf_counter() - w0
-            spent[key[0]][0] += sum(timer.seconds[-(N // factor):])
-        for k in names:
-            steps_cpu[k].append(spent[k][0] / COPIES)
-            cpu[k].append(spent[k][1] / COPIES)
-            wall[k].append(spent[k][2] / COPIES)
-        if r % 10 == 9:
-            log(".", end="")
-    log("")
-    out: dict[str, Any] = {"rounds": rounds,
-                           "_rounds": {"steps_cpu_s": steps_cpu, "cpu_s": cpu, "wall_s": wall}}
-    for name in names:
-        rc = np.array(steps_cpu[name]) / np.array(steps_cpu["plain B"])
-        rw = np.array(wall[name]) / np.array(wall["plain B"])
-        out[name] = {
-            "cpu_ratio": float(np.median(rc)),
-            "cpu_ratio_ci": list(_bootstrap_ci([rc], _median)),
-            "wall_ratio": float(np.median(rw)),
-            "cpu_ms_per_micro_step": 1000 * float(np.median(steps_cpu[name])) / N,
-            "wall_ms_per_micro_step": 1000 * float(np.median(wall[name])) / N,
-        }
+                      callbacks=callbacks)
+
+        for _ in range(3):  # trace, then untimed runs
+            fit([])
+        return fit
+
+    out = time_variants(made, fit_for, N, rounds, log, COPIES)
+    out["rounds"] = rounds
+    steps_cpu, wall = out["_rounds"]["steps_cpu_s"], out["_rounds"]["wall_s"]
     sk = np.array(steps_cpu["skip"]) / np.array(steps_cpu["keras"])
     out["skip / keras"] = {"cpu_ratio": float(np.median(sk)),
                            "cpu_ratio_ci": list(_bootstrap_ci([sk], _median)),

@@ -22,7 +22,10 @@ each call of the train function; per round, each variant's train-step time
 gives the median of these per-round ratios with a 95% bootstrap interval
 over rounds. Drift and load from other processes that last longer than a
 round cancel; CPU time is steadier than wall time under such load. The wall
-time of each whole `fit` is reported beside it. "plain B (A/A)" is a
+time of each whole `fit` is reported beside it, and each train step's CPU
+time by its position in the cycle (median over rounds and copies), which
+shows whether a difference is on the step that ends a cycle or on every
+micro-step. "plain B (A/A)" is a
 second, identical plain optimizer: its ratio shows the noise. Every variant
 trains on the same samples per `fit`, so a ratio is a ratio of time per
 micro-batch of B samples (for "plain B*n", per B samples of its B*n
@@ -230,15 +233,28 @@ def _step_timer():
     return StepTimer()
 
 
-def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies=COPIES,
-              names=None):
-    """Times the variants (all, or those in `names`) of one case; see the
-    module docstring."""
-    tf, _ = _tf()
-    x, y = make_data(model_kind, batch * micro_steps)
-    made = variants(opt_name)
-    if names is not None:
-        made = {k: made[k] for k in names}
+def time_variants(made: dict[str, tuple[Callable[[], Any], int]],
+                  fit_for: Callable[[Callable[[], Any], int], Callable[[list], None]],
+                  micro_steps: int, rounds: int, log, copies: int = COPIES) -> dict:
+    """The timing loop of the module docstring, for any backend.
+
+    Args:
+        made: Variant name -> (how to make its optimizer, its batch size as
+            a multiple of B), as `variants` gives; "plain B" is the reference.
+        fit_for: Called with one variant's pair; builds, compiles and warms
+            up (traces) a model with that optimizer and returns a function
+            that runs one `fit` of one cycle with the given callbacks.
+        micro_steps: Micro-steps per cycle (n).
+        rounds: Timing rounds.
+        log: `print`-like progress output.
+        copies: Instances of each variant.
+
+    Returns:
+        Per variant: the median per-round ratio to "plain B" of train-step
+        CPU time with its 95% interval, that of the wall time of the `fit`,
+        milliseconds per micro-step, and each train step's CPU milliseconds
+        by its position in the cycle; under "_rounds", the per-round times.
+    """
     names = list(made)
     # Each variant twice, created in order and then in reverse: identical
     # variants measured up to 4% apart depending on when they were created
@@ -246,29 +262,28 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
     # trend over creation order.
     creation = [(name, c) for c in range(copies)
                 for name in (names if c % 2 == 0 else names[::-1])]
-    runs = {}
-    for name, c in creation:
-        make_opt, factor = made[name]
-        model = make_model(model_kind)
-        model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit)
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * factor).cache()
-        for _ in range(3):  # trace, then untimed runs
-            model.fit(ds, epochs=1, verbose=0)
-        runs[name, c] = (model, ds, _step_timer())
+    runs = {key: (fit_for(*made[key[0]]), _step_timer()) for key in creation}
     # Per round, per variant (mean of its copies): CPU seconds of the train
     # steps of one `fit`, and CPU and wall seconds of the whole `fit`.
     steps_cpu = {k: [] for k in names}
     cpu = {k: [] for k in names}
     wall = {k: [] for k in names}
+    # CPU seconds of each train step of the round's `fit`, by its position
+    # in the cycle (the last ends it), over rounds and copies: where in a
+    # cycle a difference is, in `fit` as it runs.
+    by_position = {k: [[] for _ in range(micro_steps // made[k][1])] for k in names}
     for r in range(rounds):
         spent = {k: [0.0, 0.0, 0.0] for k in names}
         for key in rotated(creation, r):
-            model, ds, timer = runs[key]
+            fit, timer = runs[key]
             c0, w0 = time.process_time(), time.perf_counter()
-            model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
+            fit([timer])
             spent[key[0]][1] += time.process_time() - c0
             spent[key[0]][2] += time.perf_counter() - w0
-            spent[key[0]][0] += sum(timer.seconds[-(micro_steps // made[key[0]][1]):])
+            steps = timer.seconds[-len(by_position[key[0]]):]
+            spent[key[0]][0] += sum(steps)
+            for position, seconds in zip(by_position[key[0]], steps):
+                position.append(seconds)
         for k in names:
             steps_cpu[k].append(spent[k][0] / copies)
             cpu[k].append(spent[k][1] / copies)
@@ -276,7 +291,7 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
         if r % 10 == 9:
             log(".", end="")
     log("")
-    out = {"_rounds": {"steps_cpu_s": steps_cpu, "cpu_s": cpu, "wall_s": wall}}
+    out: dict[str, Any] = {"_rounds": {"steps_cpu_s": steps_cpu, "cpu_s": cpu, "wall_s": wall}}
     for name in names:
         rc = _round_ratios(out, name, "plain B")
         rw = _round_ratios(out, name, "plain B", "wall_s")
@@ -286,8 +301,34 @@ def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies
             "wall_ratio": float(np.median(rw)),
             "cpu_ms_per_micro_step": 1000 * float(np.median(steps_cpu[name])) / micro_steps,
             "wall_ms_per_micro_step": 1000 * float(np.median(wall[name])) / micro_steps,
+            "cpu_ms_by_position": [1000 * float(np.median(p)) for p in by_position[name]],
         }
     return out
+
+
+def time_case(model_kind, opt_name, batch, jit, micro_steps, rounds, log, copies=COPIES,
+              names=None):
+    """Times the variants (all, or those in `names`) of one case; see the
+    module docstring and `time_variants`."""
+    tf, _ = _tf()
+    x, y = make_data(model_kind, batch * micro_steps)
+    made = variants(opt_name)
+    if names is not None:
+        made = {k: made[k] for k in names}
+
+    def fit_for(make_opt: Callable[[], Any], factor: int) -> Callable[[list], None]:
+        model = make_model(model_kind)
+        model.compile(optimizer=make_opt(), loss="mse", jit_compile=jit)
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch * factor).cache()
+
+        def fit(callbacks: list) -> None:
+            model.fit(ds, epochs=1, verbose=0, callbacks=callbacks)
+
+        for _ in range(3):  # trace, then untimed runs
+            fit([])
+        return fit
+
+    return time_variants(made, fit_for, micro_steps, rounds, log, copies)
 
 
 # (model, optimizer, B, micro-steps per fit, rounds). One cycle per `fit`,
@@ -752,6 +793,12 @@ def report(res: dict, print_fn=print) -> None:
         for case, r in res["time"].items():
             p(f"  {case}: {r['plain B']['cpu_ms_per_micro_step']:.1f} / "
               f"{r['plain B']['wall_ms_per_micro_step']:.1f}")
+        p("\nCPU ms of each train step of a cycle, by position (the last ends the cycle; "
+          "median over rounds and copies):")
+        for case, r in res["time"].items():
+            cells = [f"{n} " + " ".join(f"{v:.2f}" for v in r[n]["cpu_ms_by_position"])
+                     for n in names if n in r and "cpu_ms_by_position" in r[n]]
+            p(f"  {case}: " + "; ".join(cells))
     if "memory" in res:
         mem = res["memory"]
         params = next(iter(mem.values()))["param_bytes"]

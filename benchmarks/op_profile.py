@@ -32,7 +32,6 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
