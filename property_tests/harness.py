@@ -22,7 +22,7 @@ traced update is cheap next to a model build).
 
 The runs work on every Keras backend: on TensorFlow in the modes "eager",
 "tf_function" and "jit"; on JAX and PyTorch eagerly (`property_tests/backends`),
-with gradients taken the backend's way (`_gradients`).
+with gradients taken the backend's way (`tests.backends.helpers.gradients_of`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import numpy as np
 from hypothesis import settings
 
 from gradaccum import accumulate
+from tests.backends.helpers import gradients_of
 
 BACKEND = keras.config.backend()
 if BACKEND == "tensorflow":
@@ -301,30 +302,6 @@ def _add_n(terms: list[Any]) -> Any:
     return tf.add_n(terms) if BACKEND == "tensorflow" else sum(terms[1:], terms[0])
 
 
-def _gradients(model: keras.Model, xs: Any, loss_of: Callable[[Any], Any]) -> list[Any]:
-    """The gradients of `loss_of(model outputs)` for the model's trainable
-    variables; `None` for a variable the loss does not reach (JAX: zeros)."""
-    variables = model.trainable_variables
-    if BACKEND == "tensorflow":
-        with tf.GradientTape() as tape:
-            loss = loss_of(model(xs, training=True))
-        return tape.gradient(loss, variables)
-    if BACKEND == "jax":
-        import jax
-
-        others = [v.value for v in model.non_trainable_variables]
-
-        def of(values: list[Any]) -> Any:
-            outs, _ = model.stateless_call(values, others, xs, training=True)
-            return loss_of(outs)
-
-        return jax.grad(of)([v.value for v in variables])
-    import torch
-
-    loss = loss_of(model(xs, training=True))
-    return list(torch.autograd.grad(loss, [v.value for v in variables], allow_unused=True))
-
-
 def _compile(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
     if mode == "eager":
         return fn
@@ -340,7 +317,7 @@ def micro_step_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any]
         def loss_of(outs):
             return opt.scale_loss(_add_n([_mean(_per_sample_mse(outs[h], ys[h])) for h in heads]))
 
-        grads = _gradients(model, xs, loss_of)
+        grads = gradients_of(model, xs, loss_of)
         if weight is None:
             opt.apply_gradients(zip(grads, model.trainable_variables))
         else:
@@ -363,7 +340,7 @@ def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any
             loss = _add_n([_mean(weights[h] * _per_sample_mse(outs[h], ys[h])) for h in heads])
             return opt.scale_loss(loss * scale)
 
-        grads = _gradients(model, xs, loss_of)
+        grads = gradients_of(model, xs, loss_of)
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
     return _compile(step, mode)
@@ -662,7 +639,7 @@ def run_summed(case: Case):
         def loss_of(outs):
             return opt.scale_loss(_add_n([_mean(_per_sample_mse(outs[h], yb[h])) for h in heads]))
 
-        return _gradients(model, xb, loss_of)
+        return gradients_of(model, xb, loss_of)
 
     def apply(grads, indices):
         opt.apply_gradients(zip(grads, [variables[i] for i in indices]))

@@ -8,7 +8,7 @@ cross-check of the same expectations, in `keras3` on TensorFlow.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import keras
 import numpy as np
@@ -21,32 +21,38 @@ BACKEND = keras.config.backend()
 JIT = {"jax": (True, False), "torch": (False,)}.get(BACKEND, (False,))
 
 
-def gradients(model: keras.Model, x: Any, y: Any, sample_weight: Any = None, loss: Any = None) -> list[Any]:
-    """The gradients of `loss` (mean squared error) on `(x, y)` for the
-    model's trainable variables, as backend tensors."""
-    loss = loss or keras.losses.MeanSquaredError()
+def gradients_of(model: keras.Model, x: Any, loss_of: Callable[[Any], Any]) -> list[Any]:
+    """The gradients of `loss_of(model outputs on x)` for the model's
+    trainable variables, taken the active backend's way, as backend tensors;
+    `None` for a variable the loss does not reach (JAX: zeros)."""
     variables = model.trainable_variables
     if BACKEND == "tensorflow":
         import tensorflow as tf
 
         with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True), sample_weight=sample_weight)
+            value = loss_of(model(x, training=True))
         return tape.gradient(value, variables)
     if BACKEND == "jax":
         import jax
 
-        trainable = [v.value for v in variables]
         others = [v.value for v in model.non_trainable_variables]
 
         def of(values: list[Any]) -> Any:
             y_pred, _ = model.stateless_call(values, others, x, training=True)
-            return loss(y, y_pred, sample_weight=sample_weight)
+            return loss_of(y_pred)
 
-        return jax.grad(of)(trainable)
+        return jax.grad(of)([v.value for v in variables])
     import torch
 
-    value = loss(y, model(x, training=True), sample_weight=sample_weight)
-    return list(torch.autograd.grad(value, [v.value for v in variables]))
+    value = loss_of(model(x, training=True))
+    return list(torch.autograd.grad(value, [v.value for v in variables], allow_unused=True))
+
+
+def gradients(model: keras.Model, x: Any, y: Any, sample_weight: Any = None, loss: Any = None) -> list[Any]:
+    """The gradients of `loss` (mean squared error) on `(x, y)` for the
+    model's trainable variables, as backend tensors."""
+    loss = loss or keras.losses.MeanSquaredError()
+    return gradients_of(model, x, lambda y_pred: loss(y, y_pred, sample_weight=sample_weight))
 
 
 def values(variables: Sequence[Any]) -> list[np.ndarray]:
