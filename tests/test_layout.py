@@ -102,7 +102,8 @@ def test_the_cores_of_the_backends_stand_apart():
             assert not graph[module] & tensorflow_core, module
             assert not any(m.startswith("gradaccum._backend.tensorflow") for m in graph[module]), module
     shared = ("gradaccum", "gradaccum._proxy", "gradaccum._api", "gradaccum._engines",
-              "gradaccum._loss_scale", "gradaccum._loss_counts", "gradaccum._batch_norm")
+              "gradaccum._loss_scale", "gradaccum._loss_counts", "gradaccum._batch_norm",
+              "gradaccum._accumulation_base")
     for module in shared:
         assert not graph[module] & tensorflow_core, (module, graph[module])
 

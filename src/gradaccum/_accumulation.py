@@ -14,12 +14,11 @@ built with the optimizer, and the strategy chosen then
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import tensorflow as tf
 
+from gradaccum._accumulation_base import AccumulationBase
 from gradaccum._agc import AdaptiveClipping
 from gradaccum._backend.tensorflow import distribution, tensors
 from gradaccum._cycle import CycleLength
@@ -33,7 +32,7 @@ def _name(variable: Any, default: str) -> str:
     return getattr(variable, "path", default)
 
 
-class Accumulation:
+class Accumulation(AccumulationBase):
     """Gradient accumulation for one optimizer (see the module docstring).
 
     Args:
@@ -41,9 +40,8 @@ class Accumulation:
         n: Micro-batches per update, an int or a schedule (checked).
         reduction: `"mean"` or `"sum"` (checked).
         mode: `"masked"` or `"skip"` (checked).
-        weigh_by: `"count"` or `"batch"` (checked): whether a micro-batch
-            without an explicit weight weighs the count handed over by
-            `count_next` (see `gradaccum._loss_counts`) or 1.
+        weigh_by: `"count"` or `"batch"` (checked; see
+            `gradaccum._accumulation_base.AccumulationBase`).
         on_built: Called with the state's checkpoint module once the state
             exists (the proxy restores what a checkpoint deferred for it).
         sparse: `"rows"` or `"slices"` (checked): whether `tf.IndexedSlices`
@@ -63,48 +61,23 @@ class Accumulation:
         sparse: str = "rows",
         agc: AdaptiveClipping | None = None,
     ):
-        self.family = family
-        self.agc = agc
-        self.cycle = CycleLength(n)
-        self.reduction = reduction
-        self.mode = mode
-        self.weigh_by = weigh_by
-        self.sparse = sparse
+        super().__init__(family, CycleLength(n), reduction, mode, weigh_by, on_built, sparse, agc)
         self.state: State | None = None
         self.strategy: CycleStrategy | None = None
-        self._on_built = on_built
-        # A weight handed over by a loss-scale front for the next micro-step.
-        self._handed_weight: Any = None
         # Loss counts handed over for the next micro-step, by replica: each
         # replica computes its loss and applies in a thread of its own.
         self._counts: dict[int, Any] = {}
         # Extra `apply_gradients` arguments of the latest micro-step, for the
         # update its cycle ends with (also when `flush()` ends it).
         self._options: Mapping[str, Any] = {}
-        # What waits for the state to exist (`when_built`).
-        self._after_build: list[Callable[[], None]] = []
-        # Objects whose own partial cycle `flush()` ends too (`follow`), by id.
-        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------
-    # Settings and read-only views.
-
-    def set_n(self, value: Any) -> None:
-        self.cycle.set(value)
-        if self.state is not None:
-            self.state.n_code = self.cycle.code
-
-    def current_n(self) -> tf.Tensor:
-        return self.cycle.current(self.family.iterations)
+    # Read-only views.
 
     def own_variables(self) -> list[Any]:
         """Empty here: TensorFlow's state is tracked by checkpoints, not
         listed in the optimizer's `variables` (see the portable core)."""
         return []
-
-    @property
-    def built(self) -> bool:
-        return self.family.built and self.state is not None
 
     def micro_step(self) -> tf.Tensor:
         if self.state is None:
@@ -140,19 +113,6 @@ class Accumulation:
         elif family.grows:
             self.state.indices_of(list(variables))  # adds those not met yet
 
-    def when_built(self, callback: Callable[[], None]) -> None:
-        """Runs `callback` once the optimizer and the state are built.
-
-        At once if they are; otherwise right after the state is built (by
-        `build` or the first micro-step, eagerly even while a `tf.function`
-        is traced), in the order the callbacks were given. The proxy hands
-        over this way what a Keras file loaded into an unbuilt optimizer.
-        """
-        if self.built:
-            callback()
-        else:
-            self._after_build.append(callback)
-
     def _build_state(self, variables: list[Any]) -> None:
         if self.sparse == "slices" and self.family.strategy().num_replicas_in_sync > 1:
             raise ValueError(
@@ -169,7 +129,7 @@ class Accumulation:
             self.cycle.build()
         self.state = state
         self._on_built(state.module)
-        waiting, self._after_build = self._after_build, []
+        waiting = self._take_waiting()
         # Values loaded before the variables existed are assigned once, as a
         # restore would: eagerly, not as ops of a traced step.
         with tf.init_scope():
@@ -178,19 +138,6 @@ class Accumulation:
 
     # ------------------------------------------------------------------
     # A micro-step.
-
-    @contextlib.contextmanager
-    def weighing(self, weight: Any) -> Iterator[None]:
-        """Hands `weight` to the micro-step run within the block.
-
-        A loss-scale front calls the loss-scale optimizer, which calls the
-        core without a weight; the front hands it over this way.
-        """
-        self._handed_weight = check_weight(weight)
-        try:
-            yield
-        finally:
-            self._handed_weight = None
 
     def count_next(self, count: Any) -> None:
         """Hands the next micro-step the count its loss was divided by.
@@ -277,18 +224,9 @@ class Accumulation:
         sums = self.strategy.add(grads, indices, weight, keep_new)
         self._finish_if(keep_new, count, sums)
 
-    def follow(self, follower: Any) -> None:
-        """Makes `flush()` call `follower.flush()` too, while it lives.
-
-        A layer that keeps statistics per cycle (`gradaccum.layers`) ends
-        its partial cycle when the optimizer's ends.
-        """
-        self._followers[id(follower)] = follower
-
     def flush(self) -> None:
         """Applies what the current cycle holds now, if anything."""
-        for follower in list(self._followers.values()):
-            follower.flush()
+        self._flush_followers()
         state = self.state
         if state is None:
             return

@@ -7,9 +7,10 @@
   with Keras ops for `StatelessScope` (JAX's `fit` and `stateless_apply`)
   and eager PyTorch; its state travels in the optimizer's `variables`.
 
-Both have the same interface, which the proxy and everything around it
-(loss scaling, loss counts, files, `accumulating()`, callbacks) use. Each is
-imported only when chosen, so TensorFlow is imported only on its backend.
+Both have the interface of `gradaccum._accumulation_base.AccumulationBase`,
+their common base, which the proxy and everything around it (loss scaling,
+loss counts, files, `accumulating()`, callbacks) use. Each is imported only
+when chosen, so TensorFlow is imported only on its backend.
 """
 
 from __future__ import annotations

@@ -32,14 +32,13 @@ which the proxy lists in `variables`) to a value, runs `apply` in a
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import keras
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope
 
+from gradaccum._accumulation_base import AccumulationBase
 from gradaccum._agc import AdaptiveClipping
 from gradaccum._backend import portable as control
 from gradaccum._portable.state import State
@@ -74,11 +73,12 @@ class _Cycle(CycleLength):
         return []
 
 
-class Accumulation:
+class Accumulation(AccumulationBase):
     """Gradient accumulation for one optimizer on JAX or PyTorch.
 
-    The interface of `gradaccum._accumulation.Accumulation` (see there for
-    the arguments), plus `own_variables` and `stateless_apply`.
+    The interface of `gradaccum._accumulation_base.AccumulationBase` (see
+    there, and `gradaccum._accumulation.Accumulation`, for the arguments),
+    plus `stateless_apply`.
 
     Raises:
         ValueError: For `sparse="slices"`, which needs `tf.IndexedSlices`.
@@ -101,36 +101,14 @@ class Accumulation:
                 f"TensorFlow backend has; the active Keras backend is "
                 f"{keras.config.backend()!r}. Use sparse=\"rows\" (the default)."
             )
-        self.family = family
-        self.agc = agc
-        self.cycle = _Cycle(n)
-        self.reduction = reduction
-        self.mode = mode
-        self.weigh_by = weigh_by
-        self.sparse = sparse
+        super().__init__(family, _Cycle(n), reduction, mode, weigh_by, on_built, sparse, agc)
         self.state: State | None = None
-        self._on_built = on_built
-        self._handed_weight: Any = None
         # The count handed over by the loss computation for the next
         # micro-step (one device: no replica threads on these backends).
         self._count: Any = None
-        self._after_build: list[Callable[[], None]] = []
-        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
     # ------------------------------------------------------------------
-    # Settings and read-only views.
-
-    def set_n(self, value: Any) -> None:
-        self.cycle.set(value)
-        if self.state is not None:
-            self.state.n_code = self.cycle.code
-
-    def current_n(self) -> Any:
-        return self.cycle.current(self.family.iterations)
-
-    @property
-    def built(self) -> bool:
-        return self.family.built and self.state is not None
+    # Read-only views.
 
     def micro_step(self) -> Any:
         if self.state is None:
@@ -167,12 +145,6 @@ class Accumulation:
         if self.state is None:
             self._build_state(family.trainable_variables())
 
-    def when_built(self, callback: Callable[[], None]) -> None:
-        if self.built:
-            callback()
-        else:
-            self._after_build.append(callback)
-
     def _build_state(self, variables: list[Any]) -> None:
         if control.is_traced(self.family.iterations.value):
             raise ValueError(
@@ -184,20 +156,11 @@ class Accumulation:
         self.state = State(variables, n, self.cycle.code, self.reduction)
         self.cycle._variable = self.state.n
         self._on_built(None)
-        waiting, self._after_build = self._after_build, []
-        for callback in waiting:
+        for callback in self._take_waiting():
             callback()
 
     # ------------------------------------------------------------------
     # A micro-step.
-
-    @contextlib.contextmanager
-    def weighing(self, weight: Any) -> Iterator[None]:
-        self._handed_weight = check_weight(weight)
-        try:
-            yield
-        finally:
-            self._handed_weight = None
 
     def count_next(self, count: Any) -> None:
         self._count = count if self.weigh_by == "count" else None
@@ -266,12 +229,8 @@ class Accumulation:
             return
         check_weight_value(float(ops.convert_to_numpy(weight)))
 
-    def follow(self, follower: Any) -> None:
-        self._followers[id(follower)] = follower
-
     def flush(self) -> None:
-        for follower in list(self._followers.values()):
-            follower.flush()
+        self._flush_followers()
         state = self.state
         if state is None or not state.participants():
             return
