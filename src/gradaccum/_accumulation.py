@@ -50,6 +50,9 @@ class Accumulation(AccumulationBase):
             (`gradaccum._agc`), or None.
     """
 
+    # None until built (the base sets it).
+    state: State | None
+
     def __init__(
         self,
         family: OptimizerFamily,
@@ -62,7 +65,6 @@ class Accumulation(AccumulationBase):
         agc: AdaptiveClipping | None = None,
     ):
         super().__init__(family, CycleLength(n), reduction, mode, weigh_by, on_built, sparse, agc)
-        self.state: State | None = None
         self.strategy: CycleStrategy | None = None
         # Loss counts handed over for the next micro-step, by replica: each
         # replica computes its loss and applies in a thread of its own.

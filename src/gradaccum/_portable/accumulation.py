@@ -84,6 +84,9 @@ class Accumulation(AccumulationBase):
         ValueError: For `sparse="slices"`, which needs `tf.IndexedSlices`.
     """
 
+    # None until built (the base sets it).
+    state: State | None
+
     def __init__(
         self,
         family: OptimizerFamily,
@@ -102,7 +105,6 @@ class Accumulation(AccumulationBase):
                 f"{keras.config.backend()!r}. Use sparse=\"rows\" (the default)."
             )
         super().__init__(family, _Cycle(n), reduction, mode, weigh_by, on_built, sparse, agc)
-        self.state: State | None = None
         # The count handed over by the loss computation for the next
         # micro-step (one device: no replica threads on these backends).
         self._count: Any = None
