@@ -207,7 +207,7 @@ def run_tracing(log) -> dict:
 
     # The core that runs on this backend (its module is private: found
     # through an accumulating optimizer).
-    Accumulation = type(accumulate(make_optimizer(), 2)._self_accumulation)
+    core_class = type(accumulate(make_optimizer(), 2)._self_core)
 
     def traces(opt, n, build):
         """Python calls of the update in one `fit` of 3 epochs, and the number
@@ -222,7 +222,7 @@ def run_tracing(log) -> dict:
         return {"calls": len(calls), "steps": 3 * (3 * n + 1)}
 
     results: dict[str, Any] = {}
-    with counting_updates(Accumulation) as (calls, CountingAdam):
+    with counting_updates(core_class) as (calls, CountingAdam):
         for build in (True, False):
             when = "built" if build else "unbuilt"
             results[f"plain/{when}"] = traces(CountingAdam(1e-4), 1, build)

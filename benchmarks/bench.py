@@ -636,7 +636,7 @@ def run_tracing(quick: bool, log) -> dict:
     created in it, as it does for the plain optimizer.
     """
     from gradaccum import accumulate
-    from gradaccum._accumulation import Accumulation
+    from gradaccum._core import Core
 
     def traces(make_opt, n, build):
         calls.clear()
@@ -650,7 +650,7 @@ def run_tracing(quick: bool, log) -> dict:
         return len(calls)
 
     results = {}
-    with counting_updates(Accumulation) as (calls, CountingAdam):
+    with counting_updates(Core) as (calls, CountingAdam):
         for build in (True, False):
             when = "built" if build else "unbuilt"
             results[f"plain/{when}"] = traces(lambda n: CountingAdam(1e-4), 1, build)

@@ -111,29 +111,6 @@ def test_fit_matches_single_device_large_batch(strategy, name, mode):
     _check_replicas_agree(strategy, model, optimizer)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
-def test_fit_with_sums_held_scaled_matches_single_device(strategy, name, mode):
-    """With n = 4 the divisor of every cycle (16 samples over 2 replicas: 8)
-    is a power of two: from the second cycle on, each replica holds its
-    sums at the scale of the mean, and the scale is the same on both."""
-    n = 4
-    data = make_data(MICRO_BATCH * n * CYCLES)
-    model, optimizer = make_mlp(), OPTIMIZERS[name]()
-    fit(model, optimizer, *data, MICRO_BATCH * n)
-    reference = full_state(model, optimizer)
-    with strategy.scope():
-        model = make_mlp()
-        optimizer = accumulate(OPTIMIZERS[name](), n, mode=mode)
-    fit(model, optimizer, *data, MICRO_BATCH)
-    scale = _core(optimizer)._self_accumulation.state.scale
-    assert [float(v.numpy()) for v in scale.values] == [1 / 8, 1 / 8]  # the case under test
-    state = full_state(model, optimizer)
-    assert state["iterations"] == CYCLES
-    assert_states_close(reference, state)
-    _check_replicas_agree(strategy, model, optimizer)
-
-
 def test_n1_is_the_plain_optimizer_under_two_replicas(strategy):
     """`n=1` hands gradients straight over: plain Keras, bit for bit.
 

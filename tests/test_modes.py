@@ -14,8 +14,8 @@ import pytest
 import tensorflow as tf
 
 from gradaccum import AccumulatingOptimizer, accumulate
-from gradaccum._accumulation import Accumulation
-from gradaccum._backend.tensorflow import tensors, updates
+from gradaccum._backend.tensorflow import updates
+from gradaccum._core import Core
 from gradaccum._keras3 import Keras3Family
 from tests.dist_support import replica_states
 from tests.support import (
@@ -301,41 +301,6 @@ def test_checkpoints_of_both_modes_hold_the_same_keys(tmp_path):
     assert saved("skip") == saved("masked")
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_skip_mode_quotients_equal_division_bit_for_bit(dtype, traced):
-    """Skip mode multiplies by the reciprocal where the divisor is a power
-    of two; the quotients must be exactly those of TensorFlow's division
-    (which on CPU flushes subnormals to zero, unlike NumPy's), also for
-    signed-zero, infinite and NaN values. A divisor of 1 (sums held at the
-    scale of their mean) passes the values on untouched: the sums it is
-    used for come out of TensorFlow's kernels, which hold no subnormals."""
-    info = np.finfo(dtype)
-    rng = np.random.default_rng(5)
-    special = np.array(
-        [0.0, -0.0, np.inf, -np.inf, np.nan, info.tiny, info.tiny / 8, -info.tiny / 3,
-         info.max, -info.max, 1.0, 3.0, 1 / 3],
-        dtype=dtype,
-    )
-    values = [np.concatenate([special, rng.normal(size=200).astype(dtype)]),
-              (rng.normal(size=(7, 5)) * 1e-30).astype(dtype)]
-
-    def divided(values, divisor):
-        return [v / tf.cast(divisor, v.dtype) for v in values]
-
-    run = tf.function if traced else (lambda f: f)
-    quotients, divided = run(tensors.quotients), run(divided)
-    bits = np.uint32 if dtype == np.float32 else np.uint64
-    for divisor in [1.0, 2.0, 4.0, 3.0, 6.0, 2.5, 0.25, 2.0**-60, 2.0**100]:
-        inputs = [tf.constant(v) for v in values], tf.constant(divisor, tf.float32)
-        given = values if divisor == 1.0 else divided(*inputs)
-        for got, expected in zip(quotients(*inputs), given):
-            assert got.dtype == tf.as_dtype(dtype)
-            np.testing.assert_array_equal(
-                got.numpy().view(bits), np.asarray(expected).view(bits), err_msg=str(divisor)
-            )
-
-
 # ----------------------------------------------------------------------
 # Tracing.
 
@@ -343,7 +308,7 @@ def test_skip_mode_quotients_equal_division_bit_for_bit(dtype, traced):
 @pytest.mark.parametrize("mode", MODES)
 def test_fit_traces_the_update_once_whatever_n(mode, monkeypatch):
     """Built before `fit`: one trace for all epochs, the last, smaller batch too."""
-    traces = _spy(monkeypatch, Accumulation, "step")
+    traces = _spy(monkeypatch, Core, "step")
     for n in (2, 5):
         traces.clear()
         x, y = make_data(B * n * 2 + 2)  # a last batch of 2
@@ -356,7 +321,7 @@ def test_fit_traces_the_update_once_whatever_n(mode, monkeypatch):
 
 def test_fit_traces_an_unbuilt_optimizer_as_often_as_the_plain_one(monkeypatch):
     """Variables created on the first call make `tf.function` trace twice."""
-    traces = _spy(monkeypatch, Accumulation, "step")
+    traces = _spy(monkeypatch, Core, "step")
 
     class CountingAdam(keras.optimizers.Adam):
         def apply(self, *args, **kwargs):

@@ -417,14 +417,11 @@ def test_a_cycle_begun_by_a_step_traced_before_a_variable_took_part(mode, jit):
 
 @pytest.mark.parametrize("jit", [None, False, True], ids=["eager", "graph", "xla"])
 @pytest.mark.parametrize("mode", MODES)
-def test_sums_held_at_the_scale_of_the_last_mean(mode, jit):
-    """The accumulators hold a cycle's sums times the reciprocal of the last
-    cycle's divisor where that is a power of two (so that a cycle like the
-    last one ends holding its mean). Cycles whose weight totals go 8, 8, 7,
-    8, then 4 (flushed after two micro-steps), then 8 pass through every
-    case: held at 1, 1/8, 1/8 (divided by 7/8), 1 (divided by 8), 1/8
-    (divided by 1/2), 1/4 (divided by 2). The reference applies each cycle's
-    weighted mean, computed in float64."""
+def test_weighted_cycles_of_changing_totals(mode, jit):
+    """Cycles whose weight totals go 8, 8, 7, 8, then 4 (flushed after two
+    micro-steps), then 8: each applies its own weighted mean, whatever the
+    last cycle's total was. The reference applies each cycle's weighted
+    mean, computed in float64."""
     n = 4
     cycles = [[2.0] * 4, [2.0] * 4, [2.0, 2.0, 2.0, 1.0], [2.0] * 4, [2.0, 2.0], [2.0] * 4]
     shapes = [(3,), (2, 2)]
@@ -456,7 +453,6 @@ def test_sums_held_at_the_scale_of_the_last_mean(mode, jit):
         step = tf.function(
             lambda gs, w: opt.apply_gradients(zip(gs, variables), weight=w), jit_compile=jit
         )
-    scales = []
     k = 0
     for weights in cycles:
         for w in weights:
@@ -464,47 +460,9 @@ def test_sums_held_at_the_scale_of_the_last_mean(mode, jit):
             k += 1
         if len(weights) < n:
             opt.flush()
-        scales.append(float(opt._self_accumulation.state.scale.numpy()))
-    assert scales == [1 / 8, 1 / 8, 1.0, 1 / 8, 1 / 4, 1 / 8]  # every case was met
     assert int(opt.iterations) == int(ref_opt.iterations) == len(cycles)
     for v, r in zip(variables, ref_vars):
         np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("jit", [None, False, True], ids=["eager", "graph", "xla"])
-def test_skip_mode_hands_the_sums_over_on_the_apply_step(jit):
-    """Traced without XLA, skip mode's apply step hands the update the sums
-    (so that SGD's `lr * grad` can write into them) and leaves each
-    accumulator holding its last micro-gradient instead; eagerly and under
-    XLA the accumulators keep the sums. Either way the next cycle writes
-    over them: two cycles match the plain optimizer on each cycle's mean."""
-    n = 2
-    shapes = [(3,), (2, 2)]
-    rng = np.random.default_rng(7)
-    micro = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(2 * n)]
-    start = [np.array([1.0, -2.0, 0.5], np.float32), np.array([[0.5, 3.0], [-1.0, 2.0]], np.float32)]
-    ref_vars = [keras.Variable(v) for v in start]
-    ref_opt = keras.optimizers.SGD(0.1)
-    variables = [keras.Variable(v) for v in start]
-    opt = accumulate(keras.optimizers.SGD(0.1), n, mode="skip")
-    opt.build(variables)
-    step = (lambda gs: opt.apply_gradients(zip(gs, variables))) if jit is None else tf.function(
-        lambda gs: opt.apply_gradients(zip(gs, variables)), jit_compile=jit
-    )
-    accumulators = opt._self_accumulation.state.accumulators
-    for c in range(2):
-        cycle = micro[c * n:(c + 1) * n]
-        for gs in cycle:
-            step([tf.constant(g) for g in gs])
-        mean = [(a + b) / n for a, b in zip(*cycle)]
-        ref_opt.apply_gradients(zip([tf.constant(m) for m in mean], ref_vars))
-        for v, r in zip(variables, ref_vars):
-            np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-6, atol=1e-7)
-        # The first cycle holds its sums at scale 1, the second at 1/2.
-        held = [(a + b) * (1.0 if c == 0 else 1 / n) for a, b in zip(*cycle)]
-        expected = cycle[-1] if jit is False else held
-        for a, e in zip(accumulators, expected):
-            np.testing.assert_allclose(a.numpy(), e, rtol=1e-6)
 
 
 def _grads(model, x, y):

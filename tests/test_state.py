@@ -134,17 +134,12 @@ def test_accumulating_checkpoint_restores_into_plain_optimizer(tmp_path):
 
 
 # ----------------------------------------------------------------------
-# Sums held at the scale of their mean. With n = 4 unweighted micro-steps
-# the divisor is 4, a power of two: after the first cycle the accumulators
-# hold each sum times 1/4, and the apply step divides nothing. What is saved,
-# restored or seen mid-cycle must be the same cycle.
+# A later cycle: the accumulators hold the last cycle's sums until the
+# cycle's first micro-step writes over them. What is saved, restored or seen
+# mid-cycle must be the same cycle.
 
 N_SCALED = 4
 STOPS_SCALED = [5, 6, 7]  # micro_step 1, 2, 3 of the second cycle
-
-
-def _held_scale(opt) -> float:
-    return float(opt._self_accumulation.state.scale.numpy())
 
 
 def _run(model, opt, steps, traced):
@@ -173,21 +168,18 @@ def uninterrupted_scaled():
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("how", ["checkpoint", "keras_file", "weights_into_trained", "view"])
-def test_sums_held_scaled_resume_bit_identical(tmp_path, uninterrupted_scaled, how, mode, traced):
-    """A checkpoint (which holds the raw sums and their scale), a Keras file
-    (which holds the plain sums; also loaded into an optimizer whose own
-    sums were held scaled) and a look at `accumulation_state` (which shows
-    the plain sums) mid-cycle all continue the same cycle."""
+def test_later_cycle_resumes_bit_identical(tmp_path, uninterrupted_scaled, how, mode, traced):
+    """A checkpoint, a Keras file (also loaded into an optimizer that has
+    applied a cycle of its own) and a look at `accumulation_state` mid-cycle
+    all continue the same cycle."""
     stop = STOPS_SCALED[["checkpoint", "keras_file", "weights_into_trained", "view"].index(how) % 3]
     model, opt = _fresh(n=N_SCALED, mode=mode)
     model.compile(optimizer=opt, loss="mse")
     _run(model, opt, range(stop), traced)
-    assert _held_scale(opt) == 1 / N_SCALED  # the case under test
     if how == "checkpoint":
         path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
         model, opt = _fresh(n=N_SCALED, mode=mode)
         tf.train.Checkpoint(model=model, optimizer=opt).restore(path).assert_consumed()
-        assert _held_scale(opt) == 1 / N_SCALED
     elif how == "keras_file":
         model.save(str(tmp_path / "m.keras"))
         model = keras.models.load_model(str(tmp_path / "m.keras"))
@@ -197,7 +189,6 @@ def test_sums_held_scaled_resume_bit_identical(tmp_path, uninterrupted_scaled, h
         model, opt = _fresh(n=N_SCALED, mode=mode)
         model.compile(optimizer=opt, loss="mse")
         _run(model, opt, range(STEPS - N_SCALED, STEPS), traced)  # one whole cycle
-        assert _held_scale(opt) == 1 / N_SCALED
         model.load_weights(str(tmp_path / "m.weights.h5"))
     else:
         done = range(N_SCALED, stop)  # this cycle's micro-steps so far
@@ -212,6 +203,19 @@ def test_sums_held_scaled_resume_bit_identical(tmp_path, uninterrupted_scaled, h
             np.testing.assert_allclose(acc.numpy(), e, rtol=1e-6, atol=1e-7)
     _run(model, opt, range(stop, STEPS), traced)
     assert_states_equal(uninterrupted_scaled[mode, traced], full_state(model, opt))
+
+
+def test_checkpoint_of_the_earlier_format_resumes(uninterrupted_scaled):
+    """A checkpoint written by gradaccum 0.1.0 before this format (saved in
+    `tests/data/scaled_sums` by `_fresh(n=4)` after six micro-steps) held a
+    partial cycle's sums multiplied by the reciprocal of the last cycle's
+    divisor, 1/4; restored now, the cycle goes on with the plain sums."""
+    path = os.path.join(os.path.dirname(__file__), "data", "scaled_sums", "ckpt")
+    model, opt = _fresh(n=N_SCALED)
+    tf.train.Checkpoint(model=model, optimizer=opt).read(path).assert_consumed()
+    assert int(opt.micro_step) == 2
+    _run(model, opt, range(6, STEPS), False)
+    assert_states_close(uninterrupted_scaled["masked", False], full_state(model, opt))
 
 
 # ----------------------------------------------------------------------

@@ -1,13 +1,17 @@
-"""Exact gradient accumulation for any TensorFlow/Keras optimizer.
+"""Exact gradient accumulation for any Keras optimizer.
 
 Public names: `accumulate`, `accumulating`, `AccumulatingOptimizer`,
 `AccumulationState`, and the submodules `gradaccum.callbacks` and
-`gradaccum.layers`. Every other
-module is private (its name starts with `_`); docs/ARCHITECTURE.md says what
-each one owns.
+`gradaccum.layers` (imported when first used). Every other module is
+private (its name starts with `_`); docs/ARCHITECTURE.md says what each one
+owns. Importing gradaccum changes nothing in Keras: see `gradaccum._patches`.
 """
 
-from gradaccum import callbacks, layers
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from gradaccum._accumulating import accumulating
 from gradaccum._api import accumulate
 from gradaccum._proxy import AccumulatingOptimizer
@@ -22,3 +26,12 @@ __all__ = [
     "layers",
 ]
 __version__ = "0.1.0"
+
+_SUBMODULES = ("callbacks", "layers")
+
+
+def __getattr__(name: str) -> Any:
+    # `gradaccum.layers` installs its patches when imported: only on use.
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gradaccum.{name}")
+    raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")

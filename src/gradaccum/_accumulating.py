@@ -31,8 +31,8 @@ for Keras 3's `keras.Model` and, once `tf_keras` is imported (by its users:
 - `batch_normalization=True`: every `keras.layers.BatchNormalization` the
   block's thread creates (models built or loaded in the block) is
   `gradaccum.layers.BatchNormalization` (see `gradaccum._batch_norm`).
-- Nested blocks: the innermost block's `n`, `reduction` and `mode` apply;
-  leaving it restores the outer block's.
+- Nested blocks: the innermost block's settings apply; leaving it
+  restores the outer block's.
 - Threads: a block applies to the thread that entered it. `compile` and
   `fit` called on other threads at the same time are not affected. The
   patches stay installed while any thread is inside a block and are removed
@@ -48,23 +48,21 @@ import inspect
 import sys
 import threading
 import warnings
-from typing import Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import keras
 
 from gradaccum import _batch_norm, _patches
-from gradaccum._api import accumulate
-from gradaccum._proxy import accumulating_in
-from gradaccum._validation import check_mode, check_n_or_schedule, check_reduction, check_sparse
+from gradaccum._proxy import AccumulatingOptimizer, accumulating_in
+from gradaccum._settings import Settings
 
 _local = threading.local()
 
 
 class _Block(NamedTuple):
-    n: Any
-    reduction: str | None  # None: follow the compiled loss
-    mode: str
-    sparse: str = "rows"
+    settings: Settings
+    follows_loss: bool  # whether `reduction` follows the compiled loss
 
 
 def _stack() -> list[_Block]:
@@ -96,9 +94,9 @@ def _loss_reductions(loss: Any) -> set[str]:
 def _reduction(block: _Block, loss: Any) -> str:
     """The reduction to accumulate with, for a model compiled with `loss`."""
     seen = _loss_reductions(loss)
-    if block.reduction is not None:
-        _check_matches(block.reduction, seen, "the `accumulating()` block has")
-        return block.reduction
+    if not block.follows_loss:
+        _check_matches(block.settings.reduction, seen, "the `accumulating()` block has")
+        return block.settings.reduction
     if seen == {"sum"}:
         return "sum"
     if len(seen) > 1:
@@ -129,33 +127,43 @@ def _check_matches(reduction: str, seen: set[str], whose: str) -> None:
 # The patches.
 
 
-def _compile_wrapper(get_optimizer: Callable[[Any], Any]) -> _patches.Wrapper:
+def _accumulate(optimizer: Any, block: _Block, loss: Any) -> AccumulatingOptimizer:
+    settings = block.settings.replace(reduction=_reduction(block, loss))
+    return AccumulatingOptimizer._create(optimizer, settings)
+
+
+def _compile(get_optimizer: Callable[[Any], Any], wrapped: Callable[..., Any], instance: Any, args: tuple,
+             kwargs: dict) -> Any:
     """`Model.compile` of a library whose `optimizers.get` is `get_optimizer`."""
-
-    def compile(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        stack = _stack()
-        if not stack or instance is None:
-            return wrapped(*args, **kwargs)
-        block = stack[-1]
-        # `wrapped` is bound to the model: its signature has no `self`.
-        bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
-        optimizer = bound.arguments.get("optimizer", "rmsprop")
-        loss = bound.arguments.get("loss")
-        if optimizer is not None:
-            accumulating = accumulating_in(optimizer)
-            if accumulating is None:
-                bound.arguments["optimizer"] = accumulate(
-                    get_optimizer(optimizer), block.n, reduction=_reduction(block, loss), mode=block.mode,
-                    sparse=block.sparse,
-                )
-            else:
-                _check_matches(accumulating.reduction, _loss_reductions(loss), "the optimizer has")
-        return wrapped(*bound.args, **bound.kwargs)
-
-    return compile
+    stack = _stack()
+    if not stack or instance is None:
+        return wrapped(*args, **kwargs)
+    block = stack[-1]
+    # `wrapped` is bound to the model: its signature has no `self`.
+    bound = inspect.signature(wrapped).bind_partial(*args, **kwargs)
+    optimizer = bound.arguments.get("optimizer", "rmsprop")
+    loss = bound.arguments.get("loss")
+    if optimizer is not None:
+        accumulating = accumulating_in(optimizer)
+        if accumulating is None:
+            bound.arguments["optimizer"] = _accumulate(get_optimizer(optimizer), block, loss)
+        else:
+            _check_matches(accumulating.reduction, _loss_reductions(loss), "the optimizer has")
+    return wrapped(*bound.args, **bound.kwargs)
 
 
-def _fit(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def compile_keras(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras 3's `Model.compile` inside a block."""
+    return _compile(keras.optimizers.get, wrapped, instance, args, kwargs)
+
+
+def compile_tf_keras(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """tf_keras's `Model.compile` inside a block."""
+    return _compile(sys.modules["tf_keras"].optimizers.get, wrapped, instance, args, kwargs)
+
+
+def fit(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`Model.fit` inside a block: a model compiled outside it accumulates."""
     stack = _stack()
     if stack and instance is not None:
         _accumulate_compiled(instance, stack[-1])
@@ -167,10 +175,7 @@ def _accumulate_compiled(model: Any, block: _Block) -> None:
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None or accumulating_in(optimizer) is not None:
         return  # not compiled (fit itself says so), or accumulating already
-    loss = getattr(model, "loss", None)
-    model.optimizer = accumulate(
-        optimizer, block.n, reduction=_reduction(block, loss), mode=block.mode, sparse=block.sparse
-    )
+    model.optimizer = _accumulate(optimizer, block, getattr(model, "loss", None))
     # The compiled train function applies the old optimizer's update.
     model.make_train_function(force=True)
     # Both Keras 3 and tf_keras keep `compile`'s arguments here for
@@ -181,21 +186,7 @@ def _accumulate_compiled(model: Any, block: _Block) -> None:
         compile_config["optimizer"] = model.optimizer
 
 
-def _tf_keras() -> Any:
-    return sys.modules["tf_keras"]
-
-
-_PATCHES = (
-    _patches.SharedPatch(lambda: keras.Model, "compile", _compile_wrapper(keras.optimizers.get)),
-    _patches.SharedPatch(lambda: keras.Model, "fit", _fit),
-    _patches.SharedPatch(
-        lambda: _tf_keras().Model,
-        "compile",
-        _compile_wrapper(lambda identifier: _tf_keras().optimizers.get(identifier)),
-        module="tf_keras",
-    ),
-    _patches.SharedPatch(lambda: _tf_keras().Model, "fit", _fit, module="tf_keras"),
-)
+_PATCHES = ("keras.compile", "keras.fit", "tf_keras.compile", "tf_keras.fit")
 
 
 @contextlib.contextmanager
@@ -203,9 +194,8 @@ def accumulating(
     n: int | Callable[..., Any],
     *,
     reduction: str | None = None,
-    mode: str = "masked",
-    sparse: str = "rows",
     batch_normalization: bool = False,
+    **settings: Any,
 ) -> Iterator[None]:
     """Accumulates gradients in the training code run inside the block.
 
@@ -226,14 +216,14 @@ def accumulating(
             whose `reduction` is `"sum"`, else `"mean"`. Pass `"sum"` for a
             loss summed over the batch that `compile` does not see (one a
             custom `train_step` computes).
-        mode: `"masked"` or `"skip"`, as for `accumulate()`.
-        sparse: `"rows"` or `"slices"`, as for `accumulate()`.
         batch_normalization: If True, every `keras.layers.BatchNormalization`
             created in the block (by this thread; also one `load_model`
             deserializes) is a `gradaccum.layers.BatchNormalization`, whose
             moving statistics follow the cycle. Layers created before the
             block stay as they are (see
             `gradaccum.layers.replace_batch_normalization`).
+        **settings: Any other setting of `accumulate()` (`mode`, `weigh_by`,
+            `sparse`, `agc`, ...).
 
     Yields:
         Nothing; on exit `compile` and `fit` are restored (see the module
@@ -241,27 +231,25 @@ def accumulating(
         accumulate).
 
     Raises:
-        TypeError: If `n` is not an int or callable.
-        ValueError: If `n < 1`, or `reduction`, `mode` or `sparse` is unknown.
-        TypeError: If `batch_normalization` is not a bool.
+        TypeError: If a setting has the wrong type, or `batch_normalization`
+            is not a bool.
+        ValueError: If a setting has a wrong value.
     """
     if not isinstance(batch_normalization, bool):
         raise TypeError(
             "`batch_normalization` must be True or False. Received: "
             f"batch_normalization={batch_normalization!r}."
         )
-    n = check_n_or_schedule(n)
-    if reduction is not None:
-        reduction = check_reduction(reduction)
-    mode = check_mode(mode)
-    sparse = check_sparse(sparse)
+    block = _Block(Settings(n, reduction=reduction or "mean", **settings), follows_loss=reduction is None)
+    _patches.install()
     acquired = []
     try:
-        for patch in _PATCHES:
+        for name in _PATCHES:
+            patch = _patches.shared(name)
             patch.acquire()
             acquired.append(patch)
         stack = _stack()
-        stack.append(_Block(n, reduction, mode, sparse))
+        stack.append(block)
         try:
             with _batch_norm.replacing() if batch_normalization else contextlib.nullcontext():
                 yield

@@ -7,7 +7,7 @@ clipping each micro-batch's gradient and summing (what the seed package
 does) is not clipping their sum. Large-batch training clips the large
 batch's gradient once per update, so gradaccum clips the accumulated
 gradient where it is handed to the wrapped optimizer: after the replica sum
-(`gradaccum._strategies.deliver`) and on unscaled gradients, before the
+(`gradaccum._core.Core.deliver`) and on unscaled gradients, before the
 wrapped optimizer's own `clipnorm`/`global_clipnorm`/`clipvalue`.
 
 Unit norms follow the paper's reference code (`unitwise_norm` there):
@@ -20,7 +20,8 @@ here they take every axis but the last (a `Conv3D` kernel's `DHWIO`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 from keras import ops

@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 
-from gradaccum import _agc, _loss_counts, _saving
-from gradaccum._loss_scale import LossScaleFront  # noqa: F401  (registers the kind)
 from gradaccum._proxy import AccumulatingOptimizer
-from gradaccum._validation import (
-    check_agc,
-    check_agc_eps,
-    check_agc_exclude,
-    check_mode,
-    check_n_or_schedule,
-    check_reduction,
-    check_sparse,
-    check_weigh_by,
-)
-
-if TYPE_CHECKING:
-    import tensorflow as tf
+from gradaccum._settings import Settings
 
 
 def accumulate(
     optimizer: keras.optimizers.Optimizer | None = None,
-    n: int | Callable[[tf.Tensor], Any] | None = None,
+    n: int | Callable[[Any], Any] | None = None,
     *,
     reduction: str = "mean",
     mode: str = "masked",
@@ -47,9 +34,10 @@ def accumulate(
     Args:
         optimizer: A Keras optimizer instance. Omit it to get a decorator for
             an optimizer class or factory function.
-        n: Micro-batches per applied update: an int >= 1, or a schedule (a
-            callable of the applied-update count returning the int for the next
-            cycle, written with TensorFlow ops; see `AccumulatingOptimizer`).
+        n: Micro-batches per applied update: an int >= 1, or a schedule: a
+            callable that takes the number of applied updates (an integer
+            tensor) and returns `n` for the next cycle, written with Keras
+            ops, for example `lambda step: keras.ops.where(step < 100, 2, 8)`.
         reduction: `"mean"` (default) applies the mean of the micro-batch
             gradients, as training on the large batch with a mean-reduced loss
             does; `"sum"` applies their sum (for sum-reduced losses). Weighted
@@ -109,55 +97,28 @@ def accumulate(
             unknown, `agc` or `agc_eps` is not a finite number > 0,
             `agc_exclude` is given without `agc`,
             `optimizer` already accumulates gradients, or the active Keras
-            backend is not TensorFlow.
+            backend cannot train (numpy, openvino).
         TypeError: If `agc`, `agc_eps` or `agc_exclude` has the wrong type.
     """
+    # Every argument but the optimizer is a setting, checked once, here.
+    given = {name: value for name, value in locals().items() if name != "optimizer"}
     if n is None:
-        raise TypeError(
-            "accumulate() requires `n`, the number of micro-batches per update."
-        )
-    n = check_n_or_schedule(n)
-    reduction = check_reduction(reduction)
-    mode = check_mode(mode)
-    weigh_by = check_weigh_by(weigh_by)
-    sparse = check_sparse(sparse)
-    if agc is None and agc_exclude is not None:
-        raise ValueError(
-            "`agc_exclude` names variables adaptive gradient clipping leaves "
-            "out, but `agc` is None (clipping is off). Pass `agc=` (for "
-            "example 0.01) or drop `agc_exclude`."
-        )
-    clipping = _agc.clipping(check_agc(agc), check_agc_eps(agc_eps), check_agc_exclude(agc_exclude))
+        raise TypeError("accumulate() requires `n`, the number of micro-batches per update.")
+    settings = Settings(**given)
     if optimizer is not None:
-        return AccumulatingOptimizer(
-            optimizer, n, reduction=reduction, mode=mode, weigh_by=weigh_by, sparse=sparse,
-            agc=clipping,
-        )
+        return AccumulatingOptimizer._create(optimizer, settings)
 
     def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(factory):
             raise TypeError(
                 "accumulate(n=...) decorates an optimizer class or factory "
-                f"function. Received: {factory!r} of type "
-                f"{type(factory).__name__}."
+                f"function. Received: {factory!r} of type {type(factory).__name__}."
             )
 
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
-            return AccumulatingOptimizer(
-                factory(*args, **kwargs),
-                n,
-                reduction=reduction,
-                mode=mode,
-                weigh_by=weigh_by,
-                agc=clipping,
-                sparse=sparse,
-            )
+            return AccumulatingOptimizer._create(factory(*args, **kwargs), settings)
 
         return make
 
     return decorator
-
-
-_saving.register(AccumulatingOptimizer)
-_loss_counts.install()

@@ -34,14 +34,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import keras
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.common.variables import AutocastScope
 
-from gradaccum import _patches
-from gradaccum._proxy import accumulating_in, accumulation_of
+from gradaccum import _families, _patches
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -90,7 +90,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 "`renorm=True`; use keras.layers.BatchNormalization for it."
             )
         super().__init__(*args, **kwargs)
-        # Weak references to the `Accumulation` followed and the model whose
+        # Weak references to the core followed and the model whose
         # optimizer runs it, or None.
         self._gradaccum_cycle: Any = None
         self._gradaccum_model: Any = None
@@ -242,24 +242,23 @@ def follow(model: Any, optimizer: Any) -> None:
     layers = _layers_of(model)
     if not layers:
         return
-    proxy = accumulating_in(optimizer) if optimizer is not None else None
-    accumulation = None if proxy is None else accumulation_of(proxy)
+    core = _families.core_in(optimizer)
     for layer in layers:
-        layer._gradaccum_cycle = None if accumulation is None else weakref.ref(accumulation)
+        layer._gradaccum_cycle = None if core is None else weakref.ref(core)
         layer._gradaccum_model = weakref.ref(model)
-        layer._gradaccum_optimizer = None if proxy is None else weakref.ref(optimizer)
-        if accumulation is not None:
-            accumulation.follow(layer)
+        layer._gradaccum_optimizer = None if core is None else weakref.ref(optimizer)
+        if core is not None:
+            core.follow(layer)
 
 
-def _after_compile(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def after_compile(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     if instance is not None:
         follow(instance, getattr(instance, "optimizer", None))
     return result
 
 
-def _before_train_function(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+def before_train_function(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     # `fit` may have been given another optimizer since `compile`
     # (`gradaccum.accumulating` wraps a compiled model's).
     if instance is not None:
@@ -279,7 +278,7 @@ def replacing() -> Iterator[None]:
     creates this module's `BatchNormalization`, with the same arguments; so
     does deserializing one (`load_model`). Subclasses of Keras's layer are
     created as they are."""
-    install()
+    _patches.install("layers")
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
@@ -287,31 +286,14 @@ def replacing() -> Iterator[None]:
         _local.depth -= 1
 
 
-def _new(cls: type, *args: Any, **kwargs: Any) -> Any:
+def new(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `BatchNormalization.__new__`, creating this module's layer
+    instead inside `replacing()`. Python then runs `__init__` of the class
+    created: it is a subclass."""
+    cls, *rest = args
     if cls is keras.layers.BatchNormalization and getattr(_local, "depth", 0):
         cls = BatchNormalization
-    # Python then runs `__init__` of the class created: it is a subclass.
-    return _original_new(cls, *args, **kwargs)
-
-
-_original_new = keras.layers.BatchNormalization.__new__
-_installed: list[Any] = []
-
-
-def install() -> None:
-    """Wraps Keras's `Trainer.compile` and `make_train_function`, and gives
-    Keras's `BatchNormalization` the `__new__` that `replacing` needs (once)."""
-    if _installed or keras.config.backend() != "tensorflow":
-        return  # The layer runs on TensorFlow only.
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-    from keras.src.trainers import trainer
-
-    _installed.append(_patches.Patch(trainer.Trainer, "compile", _after_compile))
-    _installed.append(_patches.Patch(TensorFlowTrainer, "make_train_function", _before_train_function))
-    # `__new__` is looked up on the class by Python itself, so it is set as a
-    # static method, not wrapped; it changes nothing outside `replacing`.
-    keras.layers.BatchNormalization.__new__ = staticmethod(_new)
-    _installed.append(_new)
+    return wrapped(cls, *rest, **kwargs)
 
 
 # Keras files name the class by its public module.

@@ -3,46 +3,59 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from keras import ops
 
 from gradaccum._validation import check_n
 
-if TYPE_CHECKING:
-    import tensorflow as tf
 
-
-class CycleLength:
+class Cycle:
     """Micro-batches per applied update: an int that may be set between
     cycles, or a schedule of the applied-update count.
 
-    An int lives in a mirrored variable once built, so that setting it needs
-    no retracing. With `n=1` the gradients go straight to the wrapped
-    optimizer (`hands_over`); a function traced then keeps doing so, which
-    `hand_over_guard` makes a traced step refuse once `n` is no longer 1.
+    Once the state is built, an int lives in a variable (`attach`), so that
+    setting it needs no new trace. With `n=1` the gradients go straight to
+    the wrapped optimizer (`hands_over`); a function traced then keeps doing
+    so, which `hand_over_guard` makes a traced step refuse where the backend
+    has run-time assertions (TensorFlow), and which setting another `n`
+    warns about everywhere.
 
     Args:
-        n: An int >= 1 or a callable (checked by the caller).
+        n: An int >= 1 or a callable (checked).
+        backend: The backend's hooks.
     """
 
-    def __init__(self, n: int | Callable[[tf.Tensor], Any]):
+    def __init__(self, n: int | Callable[[Any], Any], backend: Any):
         self.schedule = None if isinstance(n, int) else n
         self._n = n if isinstance(n, int) else None
-        self._variable: tf.Variable | None = None
+        self._backend = backend
+        self._variable: Any = None
         # Whether a traced function hands gradients straight over (n=1).
         self._handed_over_in_trace = False
 
     @property
-    def value(self) -> int | Callable[[tf.Tensor], Any]:
+    def value(self) -> int | Callable[[Any], Any]:
         """The int, or the schedule given."""
         return self.schedule if self.schedule is not None else self._n
 
     @property
     def code(self) -> int:
-        """What checkpoints record: the int, 0 for a schedule."""
+        """What saved state records: the int, 0 for a schedule."""
         return 0 if self.schedule is not None else self._n
 
+    def attach(self, variable: Any) -> None:
+        """Reads an int `n` from `variable` from now on (None for a schedule)."""
+        self._variable = variable
+
     def set(self, value: Any) -> None:
-        """Sets an int `n` (see `AccumulatingOptimizer.n`)."""
+        """Sets an int `n` (see `AccumulatingOptimizer.n`).
+
+        Raises:
+            TypeError/ValueError: For anything but an int >= 1, or if `n` was
+                given as a schedule.
+        """
         if self.schedule is not None:
             raise ValueError(
                 "`n` was given as a schedule (a callable); it cannot be set to "
@@ -60,58 +73,47 @@ class CycleLength:
             )
         self._n = value
         if self._variable is not None:
-            self._variable.assign(value)
+            self._backend.assign(self._variable, value)
 
-    def build(self) -> None:
-        """Creates the variable an int `n` is read from (inside a creation scope)."""
-        if self.schedule is None:
-            from gradaccum._backend.tensorflow import distribution
-
-            self._variable = distribution.mirrored_counter(self._n, name="n")
-
-    def current(self, applied: Any) -> tf.Tensor:
-        """`n` for the current cycle, as an int64 tensor.
+    def current(self, applied: Any) -> Any:
+        """`n` for the current cycle, as an integer tensor of the backend's
+        counter dtype.
 
         Args:
             applied: The wrapped optimizer's `iterations` (applied updates),
                 which a schedule takes.
-        """
-        import tensorflow as tf
 
+        Raises:
+            ValueError: If a schedule returns a value below 1 where that is
+                known (eagerly).
+        """
+        dtype = self._backend.counter_dtype
         if self.schedule is not None:
-            n = tf.cast(self.schedule(applied), tf.int64)
-            if tf.executing_eagerly() and int(n) < 1:
-                raise ValueError(
-                    f"The `n` schedule returned {int(n)}; it must return an int >= 1."
-                )
-            return tf.maximum(n, 1)
+            n = ops.cast(self.schedule(applied), dtype)
+            if self._backend.known(n) and int(ops.convert_to_numpy(n)) < 1:
+                value = int(ops.convert_to_numpy(n))
+                raise ValueError(f"The `n` schedule returned {value}; it must return an int >= 1.")
+            return ops.maximum(n, ops.cast(1, dtype))
         if self._variable is None:
-            return tf.constant(self._n, dtype=tf.int64)
-        return self._variable.value()
+            return ops.convert_to_tensor(self._n, dtype=dtype)
+        return self._backend.read(self._variable)
 
     def hands_over(self) -> bool:
         """Whether every micro-batch is a whole batch (`n` is the int 1)."""
         return self._n == 1
 
-    def hand_over_guard(self) -> list[Any]:
-        """Ops a step that hands gradients over must run first.
+    def hand_over_guard(self, traced: bool) -> Any:
+        """The context a step that hands gradients over runs in.
 
         A trace keeps the hand-over whatever `n` is set to later: traced, the
         guard stops the step from running once `n` is no longer 1.
         """
-        import tensorflow as tf
-
-        if tf.executing_eagerly():
-            return []
-        self._handed_over_in_trace = True
-        return [
-            tf.debugging.assert_equal(
-                self._variable.value(),
-                tf.constant(1, tf.int64),
-                message=(
-                    "gradaccum: this function was traced with n=1, which "
-                    "hands gradients straight to the wrapped optimizer, "
-                    "but `n` has changed since; trace it anew."
-                ),
-            )
-        ]
+        if traced:
+            self._handed_over_in_trace = True
+        variable, backend = self._variable, self._backend
+        return backend.guarded(
+            lambda: ops.equal(backend.read(variable), 1),
+            "gradaccum: this function was traced with n=1, which hands "
+            "gradients straight to the wrapped optimizer, but `n` has changed "
+            "since; trace it anew.",
+        )

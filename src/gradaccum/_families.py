@@ -40,3 +40,54 @@ def family_of(optimizer: Any) -> OptimizerFamily | None:
 def names() -> str:
     """The known families, for messages."""
     return ", ".join(f.name for f in _FAMILIES)
+
+
+def accumulates(optimizer: Any) -> bool:
+    """Whether `optimizer` is an accumulating optimizer already."""
+    return getattr(optimizer, "_self_core", None) is not None
+
+
+def core_in(optimizer: Any) -> Any:
+    """The accumulating core of `optimizer` (itself an accumulating optimizer
+    or a loss-scale optimizer around one), or None."""
+    seen = optimizer
+    while seen is not None:
+        core = getattr(seen, "_self_core", None)
+        if core is not None:
+            return core
+        seen = getattr(seen, "inner_optimizer", None)
+    return None
+
+
+def wrappable(optimizer: Any) -> OptimizerFamily:
+    """The family of `optimizer`, or raises if it cannot be wrapped.
+
+    Raises:
+        TypeError: If `optimizer` is not an optimizer of a known family.
+        ValueError: If it accumulates already (itself or inside a loss-scale
+            optimizer), or has its own accumulation.
+    """
+    if accumulates(optimizer):
+        raise ValueError(
+            "`optimizer` is already an AccumulatingOptimizer "
+            f"(n={optimizer.n}); wrapping it again would accumulate twice. "
+            "Pass the plain optimizer, or set the number of micro-batches "
+            "on the existing wrapper."
+        )
+    family = family_of(optimizer)
+    if family is None:
+        hint = ""
+        if isinstance(optimizer, (int, type)) or callable(optimizer):
+            hint = " To decorate an optimizer class or factory, call `accumulate(n=...)` with `n` as a keyword."
+        raise TypeError(
+            f"`optimizer` must be an optimizer instance ({names()}). "
+            f"Received: {optimizer!r} of type {type(optimizer).__name__}.{hint}"
+        )
+    attribute = family.inner_attribute()
+    if attribute is not None and accumulates(getattr(optimizer, attribute)):
+        raise ValueError(
+            "`optimizer` is a loss-scale optimizer around an "
+            "AccumulatingOptimizer already; wrapping it would accumulate twice."
+        )
+    family.check()
+    return family

@@ -10,7 +10,8 @@ families share. Families are looked up in `gradaccum._families`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import tensorflow as tf

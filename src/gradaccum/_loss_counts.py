@@ -12,15 +12,15 @@ every entry of the cycle: the large batch's.
 
 The count reaches the optimizer explicitly, within one train step:
 
-1. Keras's `Trainer.compute_loss` is wrapped (for good, once, through
-   `gradaccum._patches`). Every train step calls it (`train_step` through
+1. Keras's `Trainer.compute_loss` is wrapped (for good, once the first
+   accumulating optimizer exists; see `gradaccum._patches`). Every train step calls it (`train_step` through
    `_compute_loss`, with `training=True`), in graph, XLA, eager and
    multi-step functions alike, and for each replica; a custom `train_step`
    that calls `self.compute_loss` does too. For a model whose optimizer
    accumulates with `weigh_by="count"` the wrapper records, while the
    original runs, the count of every compiled loss (below).
 2. It combines them (`combine`) and hands the result to the optimizer:
-   `Accumulation.count_next`. The train step's `apply` right after weighs
+   `Weights.count_next` of its core. The train step's `apply` right after weighs
    that micro-batch by it, unless it passes an explicit `weight`.
 
 Recording: while a count is recorded, `Loss.__call__` and Keras's
@@ -46,18 +46,18 @@ import dataclasses
 import threading
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
 
-from gradaccum import _patches
-from gradaccum._proxy import accumulating_in, accumulation_of
+from gradaccum import _families, _patches
 
 if TYPE_CHECKING:
     import tensorflow as tf
 
-    from gradaccum._accumulation import Accumulation
+    from gradaccum._core import Core
 
 # Reductions that divide the summed loss by something.
 _MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -201,7 +201,7 @@ def _recording() -> _Recording | None:
     return getattr(_local, "recording", None)
 
 
-def _loss_call(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def loss_call(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     recording = _recording()
     if recording is None:
         return wrapped(*args, **kwargs)
@@ -216,22 +216,13 @@ def _loss_call(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
         recording.depth -= 1
 
 
-def _reduce(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+def reduce(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     recording = _recording()
     if recording is not None and recording.depth == 1:
         recording.latest = count_of(*args, **kwargs)
     return result
 
-
-def _loss_module() -> Any:
-    from keras.src.losses import loss
-
-    return loss
-
-
-_LOSS_CALL = _patches.SharedPatch(lambda: _loss_module().Loss, "__call__", _loss_call)
-_REDUCE = _patches.SharedPatch(_loss_module, "reduce_weighted_values", _reduce)
 
 # Models already warned about (see `_warn_inexact`).
 _warned: weakref.WeakSet = weakref.WeakSet()
@@ -253,46 +244,37 @@ def _warn_inexact(model: Any, counts: list[Count]) -> None:
     )
 
 
-def _counting(model: Any, args: tuple, kwargs: dict) -> Accumulation | None:
-    """The accumulation to hand this loss's count to, if any."""
+def _counting(model: Any, args: tuple, kwargs: dict) -> Core | None:
+    """The core to hand this loss's count to, if any."""
     # `compute_loss(x, y, y_pred, sample_weight, training=True)`.
     training = kwargs.get("training", args[4] if len(args) > 4 else True)
     if not training or _recording() is not None:
         return None
-    proxy = accumulating_in(getattr(model, "optimizer", None))
-    if proxy is None or proxy.weigh_by != "count":
+    core = _families.core_in(getattr(model, "optimizer", None))
+    if core is None or core.settings.weigh_by != "count":
         return None
-    return accumulation_of(proxy)
+    return core
 
 
-def _compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    accumulation = _counting(instance, args, kwargs)
-    if accumulation is None:
+def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `Trainer.compute_loss`, handing the loss's count to the
+    model's accumulating optimizer (see the module docstring)."""
+    core = _counting(instance, args, kwargs)
+    if core is None:
         return wrapped(*args, **kwargs)
     recording = _Recording()
     _local.recording = recording
-    _LOSS_CALL.acquire()
-    _REDUCE.acquire()
+    patches = [_patches.shared("loss.call"), _patches.shared("loss.reduce")]
+    for patch in patches:
+        patch.acquire()
     try:
         loss = wrapped(*args, **kwargs)
     finally:
-        _REDUCE.release()
-        _LOSS_CALL.release()
+        for patch in patches:
+            patch.release()
         _local.recording = None
     weight, exact = combine(recording.counts)
     if not exact:
         _warn_inexact(instance, recording.counts)
-    accumulation.count_next(weight)
+    core.weights.count_next(weight)
     return loss
-
-
-_installed: list[_patches.Patch] = []
-
-
-def install() -> None:
-    """Wraps Keras's `Trainer.compute_loss` (once; see the module docstring)."""
-    if _installed:
-        return
-    from keras.src.trainers import trainer
-
-    _installed.append(_patches.Patch(trainer.Trainer, "compute_loss", _compute_loss))

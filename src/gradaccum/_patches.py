@@ -1,36 +1,44 @@
 """Every change gradaccum makes to objects it does not own, in one place.
 
-The patches, all made with wrapt's helpers (`resolve_path`, `apply_patch`,
-`FunctionWrapper`), all undone the same way (`Patch.remove`):
+Importing gradaccum changes nothing. The table below lists every patch; each
+is installed on first use, with wrapt's helpers (`resolve_path`,
+`apply_patch`, `FunctionWrapper`), and undone the same way (`Patch.remove`):
 
-- `keras.Model.compile` and `fit` (and tf_keras's, once tf_keras is
-  imported), while a `gradaccum.accumulating()` block is open in any thread
-  (`SharedPatch`; see `gradaccum._accumulating`);
-- Keras's `serialize_keras_object`, for good, in every Keras module that
-  binds it, so that a proxy is written as itself (`serialize_as`);
-- Keras's `LossScaleOptimizer.load_own_variables`, for good, so that one
-  around an accumulating optimizer keeps a file loaded before its build
-  (see `gradaccum._loss_scale`);
-- the write methods of TensorFlow variables, and a Keras 3 optimizer's
-  `update_step`, for the duration of one masked update (see
-  `gradaccum._backend.tensorflow.updates`);
-- Keras's `Trainer.compute_loss`, for good, and, while it computes the loss
-  of a model whose optimizer accumulates, `Loss.__call__` and Keras's
-  `reduce_weighted_values` (`SharedPatch`), to record what each loss divides
-  its micro-batch by (see `gradaccum._loss_counts`);
-- Keras's `Trainer.compile` and `TensorFlowTrainer.make_train_function`, for
-  good, so that a model's `gradaccum.layers.BatchNormalization` layers
-  follow its optimizer's cycle, and the `__new__` of Keras's
-  `BatchNormalization`, for good, which creates gradaccum's layer instead
-  only inside `gradaccum.accumulating(..., batch_normalization=True)` (see
-  `gradaccum._batch_norm`).
+- `ACCUMULATE`, when the first accumulating optimizer is made (a proxy's
+  constructor, `from_config`, a copy or a pickle): Keras's
+  `Trainer.compute_loss`, to hand each micro-batch's loss count to its
+  optimizer (`gradaccum._loss_counts`); `LossScaleOptimizer.
+  load_own_variables`, so that one around an accumulating optimizer keeps a
+  file loaded before its build (`gradaccum._loss_scale`); and
+  `serialize_keras_object` in every Keras module that binds it, so that an
+  accumulating optimizer is written as itself (`gradaccum._persistence`).
+- `LAYERS`, when `gradaccum.layers` is imported: Keras's `Trainer.compile`
+  and `TensorFlowTrainer.make_train_function`, so that a model's
+  `gradaccum.layers.BatchNormalization` layers follow its optimizer's
+  cycle, and the `__new__` of Keras's `BatchNormalization`, which creates
+  gradaccum's layer instead only inside
+  `accumulating(..., batch_normalization=True)` (`gradaccum._batch_norm`).
+- `SHARED`, installed only while some code holds them (`shared(name)`):
+  `Model.compile` and `fit` of Keras 3 and of tf_keras (once imported)
+  inside an `accumulating()` block (`gradaccum._accumulating`); `Loss.__call__`
+  and `reduce_weighted_values` while a loss count is recorded
+  (`gradaccum._loss_counts`).
+- Not in the table, being per object: the write methods of the TensorFlow
+  variables an update writes, and a Keras 3 optimizer's `update_step`,
+  for the duration of one masked update
+  (`gradaccum._backend.tensorflow.updates`).
+
+Where a patch's target or wrapper is named as `"module:attribute"`, it is
+imported when the patch is installed, so that this module imports nothing.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import wrapt
 
@@ -40,28 +48,86 @@ Wrapper = Callable[[Callable[..., Any], Any, tuple, dict], Any]
 _MISSING = object()
 
 
+class Spec(NamedTuple):
+    """One patch: `target.name` wrapped by `wrapper` (both `"module:path"`).
+
+    `static=True` for `__new__`, which Python looks up as a static method.
+    `module` names a library users import themselves (tf_keras): the patch
+    is installed only once it is imported, never by importing it.
+    """
+
+    target: str
+    name: str
+    wrapper: str
+    static: bool = False
+    module: str | None = None
+
+
+_SAVING = "keras.src.saving.serialization_lib"
+ACCUMULATE = (
+    Spec("keras.src.trainers.trainer:Trainer", "compute_loss", "gradaccum._loss_counts:compute_loss"),
+    Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "load_own_variables",
+         "gradaccum._loss_scale:load_when_built"),
+    Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),
+    Spec("keras.src.saving.saving_lib:", "serialize_keras_object", "gradaccum._persistence:serialize"),
+    Spec("keras.src.saving:", "serialize_keras_object", "gradaccum._persistence:serialize"),
+    Spec("keras.saving:", "serialize_keras_object", "gradaccum._persistence:serialize"),
+    Spec("keras.utils:", "serialize_keras_object", "gradaccum._persistence:serialize"),
+)
+LAYERS = (
+    Spec("keras.src.trainers.trainer:Trainer", "compile", "gradaccum._batch_norm:after_compile"),
+    Spec("keras.src.backend.tensorflow.trainer:TensorFlowTrainer", "make_train_function",
+         "gradaccum._batch_norm:before_train_function"),
+    Spec("keras.src.layers.normalization.batch_normalization:BatchNormalization", "__new__",
+         "gradaccum._batch_norm:new", static=True),
+)
+SHARED = {
+    "keras.compile": Spec("keras:Model", "compile", "gradaccum._accumulating:compile_keras"),
+    "keras.fit": Spec("keras:Model", "fit", "gradaccum._accumulating:fit"),
+    "tf_keras.compile": Spec("tf_keras:Model", "compile", "gradaccum._accumulating:compile_tf_keras",
+                             module="tf_keras"),
+    "tf_keras.fit": Spec("tf_keras:Model", "fit", "gradaccum._accumulating:fit", module="tf_keras"),
+    "loss.call": Spec("keras.src.losses.loss:Loss", "__call__", "gradaccum._loss_counts:loss_call"),
+    "loss.reduce": Spec("keras.src.losses.loss:", "reduce_weighted_values", "gradaccum._loss_counts:reduce"),
+}
+
+
+def _resolve(reference: str) -> Any:
+    module, _, path = reference.partition(":")
+    found = importlib.import_module(module)
+    for part in filter(None, path.split(".")):
+        found = getattr(found, part)
+    return found
+
+
 class Patch:
     """`target.name` replaced by a `wrapt.FunctionWrapper` around it.
 
     `target` is a module, a class or an instance. On a class, the attribute
-    is set on that class even where a base class defines it (the wrapper
-    then reaches the base's function); on an instance, it shadows the
-    class's method. `remove()` puts back exactly what was there: the
-    attribute the object itself held, or none.
+    is set on that class even where a base class defines it; on an instance,
+    it shadows the class's method. `remove()` puts back exactly what was
+    there: the attribute the object itself held, or none.
 
     Args:
         target: The object whose attribute is replaced.
         name: The attribute's name.
         wrapper: Called as `wrapper(wrapped, instance, args, kwargs)`.
+        static: Whether the attribute is set as a static method (`__new__`).
     """
 
-    def __init__(self, target: Any, name: str, wrapper: Wrapper):
+    def __init__(self, target: Any, name: str, wrapper: Wrapper, static: bool = False):
         parent, attribute, original = wrapt.resolve_path(target, name)
         self._parent = parent
         self._attribute = attribute
         self._own = vars(parent).get(attribute, _MISSING)
         self.original = original
-        wrapt.apply_patch(parent, attribute, wrapt.FunctionWrapper(original, wrapper))
+        replacement: Any = wrapt.FunctionWrapper(original, wrapper)
+        wrapt.apply_patch(parent, attribute, staticmethod(replacement) if static else replacement)
+
+    @classmethod
+    def of(cls, spec: Spec) -> Patch:
+        """The patch a `Spec` describes, installed."""
+        return cls(_resolve(spec.target), spec.name, _resolve(spec.wrapper), spec.static)
 
     def remove(self) -> None:
         """Restores the attribute as it was before the patch."""
@@ -71,29 +137,42 @@ class Patch:
             setattr(self._parent, self._attribute, self._own)
 
 
+_installed: dict[str, list[Patch]] = {}
+_lock = threading.Lock()
+
+
+def install(group: str = "accumulate") -> None:
+    """Installs the patches of `ACCUMULATE` (or `"layers"`: `LAYERS`), once.
+
+    A patch of the TensorFlow trainer is left out on other backends.
+    """
+    with _lock:
+        if group in _installed:
+            return
+        import keras
+
+        specs = ACCUMULATE if group == "accumulate" else LAYERS
+        if keras.config.backend() != "tensorflow":
+            specs = tuple(s for s in specs if ".tensorflow." not in s.target)
+        _installed[group] = [Patch.of(spec) for spec in specs]
+
+
 class SharedPatch:
-    """A `Patch` installed while at least one user holds it (thread-safe).
+    """A patch installed while at least one user holds it (thread-safe).
 
     Args:
-        target: See `Patch`; resolved when the patch is installed.
-        name: See `Patch`.
-        wrapper: See `Patch`.
-        module: The module `target` belongs to, if it is one that is not
-            imported here (tf_keras): the patch is installed only while that
+        spec: The patch. With `spec.module`, it is installed only while that
             module is imported, also if it is imported while users hold the
             patch (a wrapt post-import hook), never by importing it.
     """
 
-    def __init__(self, target: Callable[[], Any], name: str, wrapper: Wrapper, module: str | None = None):
-        self._target = target
-        self._name = name
-        self._wrapper = wrapper
-        self._module = module
+    def __init__(self, spec: Spec):
+        self._spec = spec
         self._lock = threading.Lock()
         self._patch: Patch | None = None
         self._users = 0
-        if module is not None:
-            wrapt.register_post_import_hook(self._imported, module)
+        if spec.module is not None:
+            wrapt.register_post_import_hook(self._imported, spec.module)
 
     @property
     def installed(self) -> bool:
@@ -107,8 +186,9 @@ class SharedPatch:
         return self._patch.original
 
     def _install(self) -> None:
-        if self._patch is None and (self._module is None or self._module in sys.modules):
-            self._patch = Patch(self._target(), self._name, self._wrapper)
+        module = self._spec.module
+        if self._patch is None and (module is None or module in sys.modules):
+            self._patch = Patch.of(self._spec)
 
     def _imported(self, module: Any) -> None:
         with self._lock:
@@ -128,29 +208,12 @@ class SharedPatch:
                 self._patch = None
 
 
-def serialize_as(cls: type, serialized: Callable[[Any], dict]) -> None:
-    """Makes Keras's `serialize_keras_object` write instances of `cls` with
-    `serialized(obj)`, everywhere Keras binds that function (once).
+_shared: dict[str, SharedPatch] = {}
 
-    Keras serializes an object by its `__class__`, which a proxy reports as
-    the wrapped object's; the real type says what the object is.
-    """
-    from keras.src.saving import serialization_lib
 
-    original = serialization_lib.serialize_keras_object
-    if getattr(original, "_gradaccum_serializes", None) is not None:
-        return
-
-    def serialize(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        obj = args[0] if args else kwargs.get("obj")
-        if issubclass(type(obj), cls):
-            return serialized(obj)
-        return wrapped(*args, **kwargs)
-
-    # The function is bound by name in a few public modules too.
-    for name, module in list(sys.modules.items()):
-        if (name == "keras" or name.startswith("keras.")) and getattr(
-            module, "serialize_keras_object", None
-        ) is original:
-            Patch(module, "serialize_keras_object", serialize)
-    serialization_lib.serialize_keras_object._gradaccum_serializes = cls
+def shared(name: str) -> SharedPatch:
+    """The shared patch `SHARED[name]` (made once, installed while held)."""
+    with _lock:
+        if name not in _shared:
+            _shared[name] = SharedPatch(SHARED[name])
+        return _shared[name]

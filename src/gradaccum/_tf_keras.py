@@ -19,7 +19,8 @@ someone else has imported `tf_keras`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import tensorflow as tf
 import tf_keras

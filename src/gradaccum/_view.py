@@ -9,13 +9,10 @@ class AccumulationState(NamedTuple):
     """A read-only view of an `AccumulatingOptimizer`'s accumulation state.
 
     The end of a cycle does not clear the accumulators and the weight
-    total: the next cycle's first micro-step writes over them. And within a
-    cycle the accumulators may hold the sums multiplied by a power of two
-    (the reciprocal of the last cycle's weight total, so that the apply
-    step has nothing left to divide). Taking the view eagerly makes them
-    read as documented below: between cycles (`micro_step == 0`) it zeroes
-    them, within a cycle it divides that factor out (exactly). Inside a
-    traced function the raw values are seen.
+    total: the next cycle's first micro-step writes over them. Taking the
+    view eagerly makes them read as documented below: between cycles
+    (`micro_step == 0`) it zeroes them. Inside a traced function the raw
+    values are seen.
 
     Attributes:
         variables: The variables gradients are accumulated for, in the order
@@ -23,9 +20,11 @@ class AccumulationState(NamedTuple):
             order).
         accumulators: One variable per entry of `variables`: the sum of its
             (weighted) micro-gradients in the current cycle (float32, or
-            float64 for float64 variables). Under a distribution strategy,
-            replica-local: each replica holds its own sum.
-        micro_step: Micro-batches accumulated in the current cycle (int64).
+            float64 for float64 variables); for a variable Keras marks
+            `overwrite_with_gradient`, their elementwise maximum. Under a
+            distribution strategy, replica-local: each replica holds its own.
+        micro_step: Micro-batches accumulated in the current cycle (int64 on
+            TensorFlow, int32 on JAX and PyTorch).
         weight_total: The sum of the micro-batch weights in the current
             cycle (each unweighted micro-batch weighs 1); replica-local.
         kept_slices: With `sparse="slices"`, the current cycle's

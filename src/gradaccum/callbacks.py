@@ -6,7 +6,7 @@ from typing import Any
 
 import keras
 
-from gradaccum._proxy import accumulating_in
+from gradaccum._families import core_in
 
 _WHEN = ("epoch_end", "train_end")
 
@@ -35,14 +35,14 @@ class FlushPartialCycle(keras.callbacks.Callback):
         self.at = at
 
     def _flush(self) -> None:
-        optimizer = accumulating_in(getattr(self.model, "optimizer", None))
-        if optimizer is None:
+        core = core_in(getattr(self.model, "optimizer", None))
+        if core is None:
             raise ValueError(
                 "FlushPartialCycle needs a model compiled with an accumulating "
                 "optimizer (gradaccum.accumulate); this model's optimizer is "
                 f"{getattr(self.model, 'optimizer', None)!r}."
             )
-        optimizer.flush()
+        core.flush()
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if self.at == "epoch_end":

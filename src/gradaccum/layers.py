@@ -7,11 +7,15 @@
   `keras.layers.BatchNormalization` replaced by it, weights kept.
 - `follow(model, optimizer)`: for custom loops whose model is not compiled
   with the accumulating optimizer.
+
+Importing this module makes `Model.compile` point a model's layers at its
+optimizer's cycle (see `gradaccum._patches`).
 """
 
-from gradaccum._batch_norm import BatchNormalization, follow, install
+from gradaccum import _patches
+from gradaccum._batch_norm import BatchNormalization, follow
 from gradaccum._replace import replace_batch_normalization
 
-install()
+_patches.install("layers")
 
 __all__ = ["BatchNormalization", "follow", "replace_batch_normalization"]

@@ -169,16 +169,16 @@ def test_accumulating_wraps_what_compile_is_given():
 def test_jax_fit_traces_once_for_any_n(monkeypatch):
     """The proxy's Python code runs once per trace: setting `n` between fits
     changes a variable the trace reads, not the trace."""
-    import gradaccum._proxy as proxy
+    from gradaccum import AccumulatingOptimizer
 
     calls = []
-    apply = proxy._Core.apply
+    apply = AccumulatingOptimizer.apply
 
     def counting(self, *args, **kwargs):
         calls.append(1)
         return apply(self, *args, **kwargs)
 
-    monkeypatch.setattr(proxy._Core, "apply", counting)
+    monkeypatch.setattr(AccumulatingOptimizer, "apply", counting)
     x, y = make_data(64)
     model = make_mlp()
     opt = accumulate(keras.optimizers.Adam(1e-2), 2)

@@ -1,45 +1,35 @@
-"""The backend seam: how the accumulation runs on a Keras backend.
+"""The backend seam: the few things the core does differently per Keras backend.
 
-The modules above this package decide *what* a micro-step does; the names
-here say *how* it is done on a backend. They know nothing of the
-accumulation itself.
+The core (`gradaccum._core`) decides *what* a micro-step does, once for every
+backend; a backend says *how*, through the hooks of `Backend` below. There
+are two:
 
-- `tensorflow` (a package), used by the TensorFlow core
-  (`gradaccum._accumulation`, `_state`, `_strategies`):
-  - `distribution`: where state lives and where decisions are taken:
-    per-replica accumulators (`replica_local`), counters every replica
-    advances alike (`mirrored_counter`), creating them outside any traced
-    function (`creation_scope`), running code in cross-replica context
-    (`in_cross_replica`), all-reduces (`sum_over_replicas`,
-    `clip_as_one_device`) and the checks that refuse unsound set-ups.
-  - `tensors`: adding gradients into accumulators, or writing them over
-    what they hold on a cycle's first micro-step (`add_into`,
-    `scatter_into`, `max_into`, `add_scalar`), or keeping their slices
-    (`slice_buffers`, `append_slices`, `kept_slices`, `clear_slices_if`),
-    branch-free choice (`select`), the end of a cycle (`divide_if`,
-    `quotients`), zeroing (`zero_if`), each written for its cost.
-  - `updates`: running the wrapped optimizer's update so that its effect
-    is kept only on apply steps: `masked_update` (every micro-step runs it;
-    no branch encloses it) and `skipped_update` (it runs only on apply
-    steps, decided where a branch may be taken).
-- `portable`, used by the core for JAX and PyTorch (`gradaccum._portable`),
-  which is written with Keras ops: whether a value is traced (`is_traced`),
-  adding, dividing and clearing accumulators (in place on PyTorch:
-  `add_into`, `quotient`, `divide_in_place`, `clear`), a value kept past
-  later writes (`snapshot`), and a branch that JAX can trace (`run_if`).
+- `tensorflow.TensorFlowBackend` (`tensorflow/backend.py`): TensorFlow
+  variables placed for `tf.distribute` (replica-local accumulators, counters
+  every replica advances alike), adds and branches written for TensorFlow's
+  graphs and XLA, `tf.IndexedSlices`, and the two ways to run the wrapped
+  optimizer's update: masked (branch-free around anything that synchronises
+  replicas) or skipped (a branch decided in cross-replica context).
+- `keras_ops.KerasOpsBackend` (`keras_ops.py`), for JAX and PyTorch, written
+  with Keras ops: `keras.Variable`s that travel in the optimizer's
+  `variables`, in-place writes on PyTorch, and `jax.lax.cond` where JAX
+  traces.
 
 Importing this package imports no backend: on JAX and PyTorch TensorFlow
 need not be installed. `check_supported()` refuses a backend that cannot
-train; `gradaccum._engines` picks the core for the active one.
+train; `for_active()` gives the hooks of the active one.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
+import functools
+from typing import Any, NamedTuple, Protocol, TypeVar
+
 import keras
 
 SUPPORTED = ("tensorflow", "jax", "torch")
-
-__all__ = ["SUPPORTED", "active", "check_supported"]
 
 
 def active() -> str:
@@ -61,3 +51,199 @@ def check_supported() -> None:
             "KERAS_BACKEND to one of those."
         )
 
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def unconverted(method: _F) -> _F:
+    """Runs `method` as it is written, never converted by TensorFlow's AutoGraph.
+
+    A `tf.function` converts the Python functions it calls, unless they are
+    Keras's or TensorFlow's, so a custom loop would convert the accumulation,
+    which writes every branch itself, where `fit` (Keras's code calling it)
+    does not. So it runs unconverted everywhere, and so do the branches and
+    merge calls it makes.
+    """
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if active() != "tensorflow":
+            return method(*args, **kwargs)
+        import tensorflow as tf
+
+        return tf.autograph.experimental.do_not_convert(method)(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+class StateVariables(NamedTuple):
+    """The variables a backend creates for one optimizer's accumulation.
+
+    Attributes:
+        accumulators: One per variable, float32 (float64 for float64
+            variables), zeros.
+        micro_step: The integer micro-step counter, 0.
+        weight_total: The float32 sum of the cycle's micro-batch weights, 0.
+        n: The cycle's length for an int `n` (so that setting it needs no
+            new trace), or None for a schedule.
+    """
+
+    accumulators: list[Any]
+    micro_step: Any
+    weight_total: Any
+    n: Any
+
+
+class Update(NamedTuple):
+    """A cycle's update, as the core hands it to `Backend.finish`.
+
+    Attributes:
+        ends: Scalar boolean: this micro-step ends the cycle (the update is
+            kept only then).
+        accumulators: The accumulators of the variables taking part.
+        divided: For each, whether the mean divides it (False for a
+            maximum, see `gradaccum._core`).
+        divisor: The mean's scalar divisor, or None for `"sum"`.
+        apply: Runs the wrapped optimizer's update, given each
+            accumulator's (divided) value.
+        family: The wrapped optimizer's family.
+        variables: Every variable the optimizer is built for.
+    """
+
+    ends: Any
+    accumulators: list[Any]
+    divided: list[bool]
+    divisor: Any
+    apply: Callable[[list[Any]], None]
+    family: Any
+    variables: list[Any]
+
+
+class Backend(Protocol):
+    """The hooks a backend gives the core."""
+
+    # The dtype of the micro-step counter and of `n`.
+    counter_dtype: str
+
+    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+        """Creates the accumulation state's variables, zeros (`n`: see
+        `StateVariables`)."""
+
+    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
+        """Zero accumulators for `variables` (an optimizer that grows)."""
+
+    def listed(self, state: Any) -> list[Any]:
+        """The state's variables the proxy lists in the optimizer's
+        `variables` (JAX's `fit` carries only those from step to step)."""
+
+    def check_settings(self, settings: Any) -> None:
+        """Raises for a setting this backend cannot take."""
+
+    def check_build(self, family: Any, sparse: str) -> None:
+        """Raises if the state cannot be built here (while traced, say)."""
+
+    def known(self, value: Any) -> bool:
+        """Whether `value`'s value can be read in Python here (not traced)."""
+
+    def read(self, variable: Any) -> Any:
+        """The variable's current value (may share its buffer)."""
+
+    def snapshot(self, variable: Any) -> Any:
+        """The variable's current value, unchanged by later writes."""
+
+    def eagerly(self) -> contextlib.AbstractContextManager[None]:
+        """Runs the block outside any trace (values loaded into variables
+        that did not exist when a step was traced)."""
+
+    def writable_now(self, variable: Any) -> bool:
+        """Whether a write to `variable` now lasts (eager, not traced nor in
+        a stateless scope)."""
+
+    def saved(self, variable: Any, maximum: bool) -> Any:
+        """The variable's value as a NumPy array, as files hold it: the sum
+        over replicas, or their maximum for a maximum."""
+
+    def load(self, variable: Any, value: Any, maximum: bool) -> None:
+        """Writes a value `saved` returned back (a sum split among replicas)."""
+
+    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        """`acc += weight * grad` (`grad` for `weight=None`) for each pair;
+        on a cycle's first micro-step (`first`) writes it over `acc`."""
+
+    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
+        """`acc = maximum(acc, value)`, or `value` on a cycle's first
+        micro-step."""
+
+    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
+        """`total += value`, or `value` on a cycle's first micro-step."""
+
+    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
+        """Zeroes `variables` if the scalar `condition` holds."""
+
+    def assign(self, variable: Any, value: Any) -> None:
+        """Writes `value` to `variable`."""
+
+    def finish(self, update: Update, mode: str) -> None:
+        """Runs `update.apply` so that it takes effect only if `update.ends`
+        (`mode`: `"masked"` or `"skip"`, where the backend tells them apart)."""
+
+    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+        """Runs `fn`, which synchronises nothing, only if `condition`."""
+
+    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
+        """In a traced step, a run-time assertion of `condition()`, where the
+        backend has one; else nothing."""
+
+    def any_nonzero(self, variables: Sequence[Any]) -> Any:
+        """Scalar boolean: some element of some of `variables` is not 0."""
+
+    def guarded(self, condition: Callable[[], Any], message: str) -> contextlib.AbstractContextManager[None]:
+        """Within the block, ops of a traced step run only where
+        `condition()` holds at run time (an assertion), where the backend
+        has one; else nothing."""
+
+    # Distribution: one replica on a backend without `tf.distribute`.
+
+    def replicas(self) -> int:
+        """Replicas taking part in the current replica context."""
+
+    def replica_id(self) -> int:
+        """This replica's index (0 outside replica context)."""
+
+    def sum_over_replicas(self, values: Any) -> Any:
+        """All-reduces `values` by summation across replicas."""
+
+    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """Clips the replicas' summed gradient with `clip`, and hands each
+        replica its share of the result."""
+
+    def on_each_replica(self, family: Any, fn: Callable[[], None]) -> None:
+        """Runs `fn` once per replica (from wherever it is called)."""
+
+    def usable_here(self, value: Any) -> bool:
+        """Whether a value handed over from an earlier call belongs to the
+        trace (or eager run) running now."""
+
+    # Sparse gradients: only TensorFlow has them (`tf.IndexedSlices`); the
+    # other hooks of `sparse="slices"` (`scatter_into`, `slice_buffers`,
+    # `append_slices`, `kept_slices`, `clear_slices_if`, `clear_slices`)
+    # are TensorFlow's alone.
+
+    def is_slices(self, grad: Any) -> bool:
+        """Whether `grad` is a sparse gradient."""
+
+
+def for_active() -> Backend:
+    """The hooks of the active Keras backend.
+
+    Raises:
+        ValueError: If the active backend cannot train (numpy, openvino).
+    """
+    check_supported()
+    if active() == "tensorflow":
+        from gradaccum._backend.tensorflow.backend import TensorFlowBackend
+
+        return TensorFlowBackend()
+    from gradaccum._backend.keras_ops import KerasOpsBackend
+
+    return KerasOpsBackend()

@@ -12,7 +12,8 @@ code runs under the default strategy, `MirroredStrategy` and
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf

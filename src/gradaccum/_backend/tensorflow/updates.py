@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import tensorflow as tf
 

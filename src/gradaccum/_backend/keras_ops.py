@@ -1,0 +1,286 @@
+"""The hooks on JAX and PyTorch, where optimizers run on Keras ops.
+
+On JAX, `model.fit` and `optimizer.stateless_apply` run the optimizer inside
+a `StatelessScope`, usually traced by `jax.jit`: a variable's write is
+recorded by the scope, a branch on a traced value must be a `jax.lax.cond`
+of pure functions, and the state must be among the optimizer's `variables`
+to travel from step to step. PyTorch runs eagerly: a write changes the
+tensor in place, so a value kept for later must be copied first, and a
+branch is Python's `if`.
+
+Neither has `tf.distribute`: there is one replica, and the update holds no
+communication (JAX's compiled step averages the gradients over devices
+before the optimizer runs), so `mode` changes nothing here: the update runs
+only on the step that ends a cycle, in both modes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+from keras.src.backend.common.stateless_scope import StatelessScope, in_stateless_scope
+
+from gradaccum._backend import StateVariables, Update
+
+_TORCH = "torch"
+
+
+def is_traced(value: Any) -> bool:
+    """Whether `value` is a JAX tracer (its value unknown while tracing)."""
+    if keras.config.backend() != "jax":
+        return False
+    import jax
+
+    return isinstance(value, jax.core.Tracer)
+
+
+def accumulator_dtype(variable: Any) -> str:
+    """float32, or float64 for a float64 variable: sums of float16 or
+    bfloat16 micro-gradients would round at every micro-step."""
+    return "float64" if keras.backend.standardize_dtype(variable.dtype) == "float64" else "float32"
+
+
+def _variable(name: str, shape: Any, dtype: str, value: Any = 0) -> keras.Variable:
+    return keras.Variable(
+        np.full(shape, value, dtype=dtype), dtype=dtype, trainable=False, name=f"gradaccum_{name}"
+    )
+
+
+def quotient(value: Any, divisor: Any) -> Any:
+    """`value / divisor` for a scalar `divisor`, as an elementwise division.
+
+    Run eagerly, the divisor is broadcast first: XLA turns a division by a
+    scalar into a multiplication by its reciprocal, which rounds differently
+    from the division TensorFlow, PyTorch and NumPy do. Inside `jax.jit` it
+    does so either way, and there a broadcast divisor would cost a tensor of
+    the value's size, so there the scalar is divided by as it is.
+    """
+    divisor = ops.cast(divisor, value.dtype)
+    if is_traced(value):
+        return value / divisor
+    return value / ops.broadcast_to(divisor, ops.shape(value))
+
+
+def run_if(condition: Any, fn: Callable[[], None], variables: Sequence[Any]) -> None:
+    """Runs `fn` (which writes some of `variables`) only if `condition`.
+
+    Where `condition` is known this is Python's `if`. Traced by JAX, it is a
+    `jax.lax.cond` whose taken branch runs `fn` in a `StatelessScope` over
+    the values of `variables` and returns their new values, and whose other
+    branch returns them unchanged; those values are then written to
+    `variables`. Everything `fn` writes must be among `variables`.
+    """
+    if not is_traced(condition):
+        if bool(condition):
+            fn()
+        return
+    import jax
+
+    variables = list(variables)
+
+    def taken(values: list[Any]) -> list[Any]:
+        with StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+            fn()
+        return [scope.get_current_value(v) for v in variables]
+
+    values = jax.lax.cond(condition, taken, lambda values: list(values), [v.value for v in variables])
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
+class KerasOpsBackend:
+    """The hooks of `gradaccum._backend.Backend` on JAX and PyTorch."""
+
+    counter_dtype = "int32"
+
+    def __init__(self) -> None:
+        self._torch = keras.config.backend() == _TORCH
+
+    # ------------------------------------------------------------------
+    # State.
+
+    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+        return StateVariables(
+            accumulators=self.new_accumulators(family, variables),
+            micro_step=_variable("micro_step", (), "int32"),
+            weight_total=_variable("weight_total", (), "float32"),
+            n=None if n is None else _variable("n", (), "int32", n),
+        )
+
+    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
+        # No family here grows (see `OptimizerFamily.grows`): this makes them all.
+        return [
+            _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v)) for i, v in enumerate(variables)
+        ]
+
+    def listed(self, state: Any) -> list[Any]:
+        own = [*state.accumulators, state.micro_step, state.weight_total]
+        return own if state.n is None else own + [state.n]
+
+    def check_settings(self, settings: Any) -> None:
+        if settings.sparse != "rows":
+            raise ValueError(
+                f"sparse={settings.sparse!r} keeps `tf.IndexedSlices`, which only the "
+                f"TensorFlow backend has; the active Keras backend is "
+                f"{keras.config.backend()!r}. Use sparse=\"rows\" (the default)."
+            )
+
+    def check_build(self, family: Any, sparse: str) -> None:
+        if is_traced(family.iterations.value):
+            raise ValueError(
+                "The accumulating optimizer must be built before it is traced "
+                "by `jax.jit`: call `optimizer.build(model.trainable_variables)` "
+                "first (`model.fit` does)."
+            )
+
+    # ------------------------------------------------------------------
+    # Reading.
+
+    def known(self, value: Any) -> bool:
+        return not is_traced(value)
+
+    def read(self, variable: Any) -> Any:
+        return variable.value
+
+    def snapshot(self, variable: Any) -> Any:
+        value = variable.value
+        # A PyTorch write copies into the tensor the variable holds.
+        return value.detach().clone() if self._torch else value
+
+    def eagerly(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def writable_now(self, variable: Any) -> bool:
+        return not in_stateless_scope() and not is_traced(variable.value)
+
+    def saved(self, variable: Any, maximum: bool) -> np.ndarray:
+        return np.asarray(ops.convert_to_numpy(variable))
+
+    def load(self, variable: Any, value: np.ndarray, maximum: bool) -> None:
+        variable.assign(value)
+
+    # ------------------------------------------------------------------
+    # A micro-step.
+
+    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        # Traced, the choice is one select fused with the addition, which
+        # XLA writes into the accumulator's own buffer.
+        for accumulator, grad in zip(accumulators, grads):
+            grad = ops.cast(grad, accumulator.dtype)
+            if weight is not None:
+                grad = grad * ops.cast(weight, accumulator.dtype)
+            if is_traced(first):
+                accumulator.assign(ops.where(first, grad, accumulator.value + grad))
+            elif self._torch:
+                if bool(first):
+                    accumulator.value.copy_(grad)
+                else:
+                    accumulator.value.add_(grad)
+            else:
+                accumulator.assign(grad if bool(first) else accumulator.value + grad)
+
+    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
+        value = ops.cast(value, accumulator.dtype)
+        accumulator.assign(ops.where(first, value, ops.maximum(accumulator.value, value)))
+
+    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
+        value = ops.cast(value, total.dtype)
+        total.assign(ops.where(first, value, total.value + value))
+
+    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
+        for variable in variables:
+            if is_traced(condition):
+                value = variable.value
+                variable.assign(ops.where(condition, ops.zeros_like(value), value))
+            elif bool(condition):
+                if self._torch:
+                    variable.value.zero_()
+                else:
+                    variable.assign(ops.zeros_like(variable.value))
+
+    def assign(self, variable: Any, value: Any) -> None:
+        variable.assign(value)
+
+    def finish(self, update: Update, mode: str) -> None:
+        accumulators, divided, divisor = update.accumulators, update.divided, update.divisor
+        if not is_traced(update.ends):
+            # PyTorch, and JAX outside `jit`: whether the cycle ends is known
+            # before the update would run, so the update runs on apply steps
+            # only, and the accumulators are divided in place (no second copy
+            # of the sums while the update runs).
+            if bool(update.ends):
+                update.apply([
+                    self._divide_in_place(a, divisor) if d and divisor is not None else a.value
+                    for a, d in zip(accumulators, divided)
+                ])
+            return
+        # Read here: the branch below sees only the variables it writes.
+        sums = [a.value for a in accumulators]
+        family = update.family
+        model = list(family.trainable_variables())
+        known = {id(m) for m in model}
+        watched = model + [v for v in family.state_variables() if id(v) not in known]
+
+        def apply() -> None:
+            update.apply([
+                quotient(s, divisor) if d and divisor is not None else s for s, d in zip(sums, divided)
+            ])
+
+        # Traced by JAX, both modes run the update in a `jax.lax.cond`: a
+        # select between the update's new values and the old ones costs XLA
+        # on the CPU six times the update itself (benchmarks/RESULTS.md).
+        run_if(update.ends, apply, watched)
+
+    def _divide_in_place(self, accumulator: Any, divisor: Any) -> Any:
+        if self._torch:
+            return accumulator.value.div_(ops.cast(divisor, accumulator.dtype))
+        accumulator.assign(quotient(accumulator.value, divisor))
+        return accumulator.value
+
+    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+        if bool(condition):
+            fn()
+
+    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
+        # No cheap run-time assertion here: JAX checks nothing at run time.
+        return None
+
+    @contextlib.contextmanager
+    def guarded(self, condition: Callable[[], Any], message: str) -> Iterator[None]:
+        # No cheap run-time assertion here (see `gradaccum._cycle`).
+        yield
+
+    # ------------------------------------------------------------------
+    # Distribution: one replica.
+
+    def replicas(self) -> int:
+        return 1
+
+    def replica_id(self) -> int:
+        return 0
+
+    def sum_over_replicas(self, values: Any) -> Any:
+        return values
+
+    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        return clip(grads)
+
+    def on_each_replica(self, family: Any, fn: Callable[[], None]) -> None:
+        fn()
+
+    def usable_here(self, value: Any) -> bool:
+        return True
+
+    def any_nonzero(self, variables: Sequence[Any]) -> Any:
+        return ops.any(ops.stack([ops.any(ops.not_equal(v, 0)) for v in variables]))
+
+    # ------------------------------------------------------------------
+    # Sparse gradients: dense on these backends.
+
+    def is_slices(self, grad: Any) -> bool:
+        return False

@@ -1,0 +1,243 @@
+"""The hooks on TensorFlow (Keras 3's TensorFlow backend, and tf_keras).
+
+State lives where `tf.distribute` wants it (`distribution`): each replica
+adds its micro-gradients into its own replica-local accumulators, without
+communication, and every replica advances the mirrored counters alike. The
+update of the step that ends a cycle runs one of two ways (`updates`):
+
+- `"masked"`: the wrapped optimizer's update runs on every micro-step and
+  takes effect only on the apply step, with no branch around anything that
+  synchronises replicas (its all-reduce, clipping and merge calls run every
+  micro-step; a Keras 3 optimizer's per-variable arithmetic only on the
+  apply step). The accumulators are divided in place on the apply step, so
+  the update reads them directly.
+- `"skip"`: the update runs only on the apply step, decided in
+  cross-replica context, so replicas all-reduce once per cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from gradaccum._backend import StateVariables, Update
+from gradaccum._backend.tensorflow import distribution, tensors, updates
+
+
+class TensorFlowBackend:
+    """The hooks of `gradaccum._backend.Backend` on TensorFlow."""
+
+    counter_dtype = "int64"
+
+    # ------------------------------------------------------------------
+    # State.
+
+    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+        accumulators = self.new_accumulators(family, variables)
+        with distribution.creation_scope(family.strategy()):
+            return StateVariables(
+                accumulators=accumulators,
+                micro_step=distribution.mirrored_counter(0, name="micro_step"),
+                weight_total=distribution.replica_local(tf.constant(0.0), name="weight_total"),
+                n=None if n is None else distribution.mirrored_counter(n, name="n"),
+            )
+
+    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
+        with distribution.creation_scope(family.strategy()):
+            return [
+                distribution.replica_local(
+                    tf.zeros(v.shape, dtype=tensors.accumulator_dtype(v)),
+                    name="accumulator",
+                    colocate_with=family.model_variable(v),
+                )
+                for v in variables
+            ]
+
+    def listed(self, state: Any) -> list[Any]:
+        # Checkpoints reach the state through the proxy's checkpoint child
+        # (`gradaccum._persistence`); the optimizer's `variables` stay Keras's.
+        return []
+
+    def check_settings(self, settings: Any) -> None:
+        return None
+
+    def check_build(self, family: Any, sparse: str) -> None:
+        if sparse == "slices" and family.strategy().num_replicas_in_sync > 1:
+            raise ValueError(
+                "sparse=\"slices\" works on one device only: under a "
+                "distribution strategy with more than one replica use "
+                "sparse=\"rows\" (the default)."
+            )
+
+    # ------------------------------------------------------------------
+    # Reading.
+
+    def known(self, value: Any) -> bool:
+        return tf.executing_eagerly()
+
+    def read(self, variable: Any) -> Any:
+        return variable.value()
+
+    def snapshot(self, variable: Any) -> Any:
+        return tf.identity(variable)
+
+    def eagerly(self) -> contextlib.AbstractContextManager[None]:
+        return tf.init_scope()
+
+    def writable_now(self, variable: Any) -> bool:
+        return tf.executing_eagerly()
+
+    def saved(self, variable: Any, maximum: bool) -> np.ndarray:
+        """The value a Keras file holds: a replica-local variable reads as the
+        sum of the replicas' copies; a maximum is the maximum of them."""
+        if maximum and isinstance(variable, tf.distribute.DistributedValues):
+            return np.max([np.asarray(v.numpy()) for v in variable.values], axis=0)
+        return np.asarray(variable.numpy())
+
+    def load(self, variable: Any, value: np.ndarray, maximum: bool) -> None:
+        """Writes a value `saved` returned: a sum is split among the replicas,
+        a maximum is every replica's."""
+        variable.assign(value if maximum else distribution.per_replica_share(value))
+
+    # ------------------------------------------------------------------
+    # A micro-step.
+
+    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        tensors.add_into(accumulators, grads, weight, first)
+
+    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
+        tensors.max_into(accumulator, value, first)
+
+    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
+        tensors.add_scalar(total, value, first)
+
+    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
+        if variables:
+            tensors.zero_if(condition, variables)
+
+    def assign(self, variable: Any, value: Any) -> None:
+        variable.assign(tf.cast(value, variable.dtype), read_value=False)
+
+    def finish(self, update: Update, mode: str) -> None:
+        if mode == "masked":
+            self._masked(update)
+        else:
+            self._skipped(update)
+
+    def _masked(self, update: Update) -> None:
+        divided = [a for a, d in zip(update.accumulators, update.divided) if d]
+        if update.divisor is not None and divided:
+            tensors.divide_if(update.ends, divided, update.divisor)
+        family = update.family
+        # Every variable the optimizer was built for, not only those in this
+        # update: with `ema_overwrite_frequency` Keras overwrites all of them
+        # with their moving averages, gradient or not.
+        tracked = family.state_variables() + [family.model_variable(v) for v in update.variables]
+        per_variable = None
+        if family.per_variable_update is not None:
+            per_variable = (family.optimizer, family.per_variable_update)
+        updates.masked_update(
+            family.strategy(),
+            update.ends,
+            tracked,
+            lambda: update.apply(_read(update.accumulators)),
+            masks_writes=family.masks_writes,
+            per_variable=per_variable,
+        )
+
+    def _skipped(self, update: Update) -> None:
+        # Read here and handed to the branch: a branch that touches a
+        # variable waits for every earlier write to it, and under a strategy
+        # per-replica values must be the branch's inputs.
+        values = _read(update.accumulators)
+        divided = update.divided
+
+        def apply(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
+            if divisor is not None:
+                values = [v / tf.cast(divisor, v.dtype) if d else v for v, d in zip(values, divided)]
+            update.apply(values)
+
+        inputs = [values] if update.divisor is None else [values, update.divisor]
+        updates.skipped_update(update.ends, apply, *inputs)
+
+    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+        if tf.executing_eagerly():
+            if bool(condition):
+                fn()
+            return
+        tf.cond(condition, lambda: fn(), tensors.nothing)
+
+    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
+        if tf.executing_eagerly():
+            return None
+        return tf.debugging.Assert(condition(), [message])
+
+    @contextlib.contextmanager
+    def guarded(self, condition: Callable[[], Any], message: str) -> Iterator[None]:
+        check = self.assert_that(condition, message)
+        with tf.control_dependencies([] if check is None else [check]):
+            yield
+
+    # ------------------------------------------------------------------
+    # Distribution.
+
+    def replicas(self) -> int:
+        return distribution.replicas_in_sync()
+
+    def replica_id(self) -> int:
+        return distribution.replica_id()
+
+    def sum_over_replicas(self, values: Any) -> Any:
+        return distribution.sum_over_replicas(values)
+
+    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        return distribution.clip_as_one_device(grads, clip)
+
+    def on_each_replica(self, family: Any, fn: Callable[[], None]) -> None:
+        strategy = family.strategy()
+        if strategy.num_replicas_in_sync > 1 and not distribution.in_replica_context():
+            distribution.run_per_replica(strategy, fn)
+        else:
+            fn()
+
+    def usable_here(self, value: Any) -> bool:
+        return tensors.usable_here(value)
+
+    def any_nonzero(self, variables: Sequence[Any]) -> Any:
+        return tensors.any_nonzero(variables)
+
+    # ------------------------------------------------------------------
+    # Sparse gradients.
+
+    def is_slices(self, grad: Any) -> bool:
+        return isinstance(grad, tf.IndexedSlices)
+
+    def scatter_into(self, accumulator: Any, grad: Any, weight: Any, first: Any) -> None:
+        tensors.scatter_into(accumulator, grad, weight, first)
+
+    def slice_buffers(self, family: Any, variable: Any) -> tuple[Any, Any]:
+        with distribution.creation_scope(family.strategy()):
+            return tensors.slice_buffers(variable, family.model_variable(variable))
+
+    def append_slices(self, buffers: tuple[Any, Any], grad: Any, weight: Any) -> None:
+        tensors.append_slices(buffers, grad, weight)
+
+    def kept_slices(self, buffers: tuple[Any, Any], shape: Any, divisor: Any) -> Any:
+        return tensors.kept_slices(buffers, shape, divisor)
+
+    def clear_slices_if(self, condition: Any, buffers: Sequence[tuple[Any, Any]]) -> None:
+        tensors.clear_slices_if(condition, buffers)
+
+    def clear_slices(self, buffers: Sequence[tuple[Any, Any]]) -> None:
+        tensors.clear_slices(buffers)
+
+
+def _read(accumulators: Sequence[Any]) -> list[tf.Tensor]:
+    # In replica context each replica reads its own accumulators.
+    # `read_value()`, not `value()`: under MultiWorkerMirroredStrategy the
+    # gradient all-reduce needs a read placed on the variable's device.
+    return [a.read_value() for a in accumulators]

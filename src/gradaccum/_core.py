@@ -1,0 +1,346 @@
+"""The accumulating core: one micro-step, written once for every backend.
+
+`Core` runs the cycle of one optimizer. A micro-step (`step`):
+
+1. takes the micro-batch's weight: an explicit `weight`, else one a
+   loss-scale wrapping hands over (`weighing`), else the count its loss was
+   divided by (`count_next`, from `gradaccum._loss_counts`), else 1;
+2. checks the gradients, and builds (or grows) the wrapped optimizer and the
+   state (`gradaccum._state`) on first use;
+3. with `n=1`, hands the gradients straight to the wrapped optimizer;
+4. otherwise adds them into the accumulators (`Backend.add_into`); on a
+   cycle's first micro-step it writes over them instead, so the end of a
+   cycle never clears them (a clearing after the update, which reads the
+   sums, made XLA copy every accumulator on every micro-step:
+   benchmarks/RESULTS.md). A variable Keras marks `overwrite_with_gradient`
+   (float8 scales) keeps the cycle's elementwise maximum instead, as
+   Keras's own `gradient_accumulation_steps` does, and the apply step
+   writes it undivided;
+5. hands the backend the cycle's update (`Backend.finish`), which takes
+   effect only if this micro-step ends the cycle; the update's gradients
+   reach the wrapped optimizer through `deliver`, which clips them as one
+   device training on the large batch would (AGC, then, under several
+   replicas, the optimizer's own clipping of the replica sum);
+6. advances the micro-step counter, or resets it on the apply step.
+
+The backend hooks (`gradaccum._backend`) say how each of those runs on
+TensorFlow (replicas, graphs, XLA) or on JAX and PyTorch (Keras ops).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from keras import ops
+
+from gradaccum import _agc
+from gradaccum._backend import Backend, Update
+from gradaccum._cycle import Cycle
+from gradaccum._settings import Settings
+from gradaccum._state import State, variable_name
+from gradaccum._validation import check_step_arguments
+from gradaccum._view import AccumulationState
+from gradaccum._weights import Weights
+
+
+class Core:
+    """Gradient accumulation for one optimizer (see the module docstring).
+
+    Args:
+        family: The wrapped optimizer's family.
+        settings: The accumulation's settings.
+        backend: The active backend's hooks.
+        on_built: Called with the state once it exists (persistence hooks
+            it up: checkpoints, values loaded before it existed).
+
+    Raises:
+        ValueError: If the backend cannot take a setting (`sparse="slices"`
+            off TensorFlow).
+    """
+
+    def __init__(self, family: Any, settings: Settings, backend: Backend, on_built: Callable[[State], None]):
+        backend.check_settings(settings)
+        self.family = family
+        self.settings = settings
+        self.backend = backend
+        self.cycle = Cycle(settings.n, backend)
+        self.agc = _agc.clipping(settings.agc, settings.agc_eps, settings.agc_exclude)
+        self.state: State | None = None
+        self._on_built = on_built
+        self.weights = Weights(backend, settings.weigh_by)
+        # Whether any micro-batch was weighted (decided while tracing).
+        self._weighted = False
+        # Extra `apply_gradients` arguments of the latest micro-step, for the
+        # update its cycle ends with (also when `flush()` ends it).
+        self._options: Mapping[str, Any] = {}
+        # What waits for the state to exist (`when_built`).
+        self._after_build: list[Callable[[], None]] = []
+        # Objects whose own partial cycle `flush()` ends too (`follow`), by id.
+        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+    # ------------------------------------------------------------------
+    # Reading.
+
+    @property
+    def built(self) -> bool:
+        return self.family.built and self.state is not None
+
+    def current_n(self) -> Any:
+        """`n` for the current cycle, as a backend integer tensor."""
+        return self.cycle.current(self.family.iterations)
+
+    def micro_step(self) -> Any:
+        """Micro-steps taken in the current cycle (a backend tensor)."""
+        if self.state is None:
+            return ops.convert_to_tensor(0, dtype=self.backend.counter_dtype)
+        return self.backend.snapshot(self.state.micro_step)
+
+    def will_apply(self) -> Any:
+        """Whether the next micro-step ends the cycle (a backend tensor)."""
+        return ops.greater_equal(self.micro_step() + 1, self.current_n())
+
+    def view(self) -> AccumulationState | None:
+        """The state as `AccumulatingOptimizer.accumulation_state` shows it."""
+        state = self.state
+        if state is None:
+            return None
+        state.settle()
+        return AccumulationState(
+            variables=tuple(state.variables),
+            accumulators=tuple(state.accumulators),
+            micro_step=self.backend.snapshot(state.micro_step),
+            weight_total=self.backend.snapshot(state.weight_total),
+            kept_slices=dict(state.kept),
+        )
+
+    def listed(self) -> list[Any]:
+        """The state's variables the proxy lists in `variables`."""
+        return [] if self.state is None else self.backend.listed(self.state)
+
+    # ------------------------------------------------------------------
+    # Building.
+
+    def build(self, variables: Sequence[Any]) -> None:
+        """Builds the wrapped optimizer (if needed) and the state."""
+        family = self.family
+        if not family.built:
+            family.build(variables)
+        if self.state is None:
+            self._build_state(family.trainable_variables())
+        elif family.grows:
+            self.state.indices_of(list(variables))  # adds those not met yet
+
+    def _build_state(self, variables: list[Any]) -> None:
+        self.backend.check_build(self.family, self.settings.sparse)
+        n = None if self.cycle.schedule is not None else self.cycle.value
+        state = State(self.backend, self.family, variables, n)
+        self.cycle.attach(state.n)
+        self.state = state
+        self._on_built(state)
+        waiting, self._after_build = self._after_build, []
+        # Values loaded before the variables existed are assigned once, as a
+        # restore would: eagerly, not as ops of a traced step.
+        with self.backend.eagerly():
+            for callback in waiting:
+                callback()
+
+    def when_built(self, callback: Callable[[], None]) -> None:
+        """Runs `callback` once the optimizer and the state are built: at
+        once if they are, else right after the state is built (eagerly, also
+        while a step is traced), in the order given."""
+        if self.built:
+            callback()
+        else:
+            self._after_build.append(callback)
+
+    def follow(self, follower: Any) -> None:
+        """Makes `flush()` call `follower.flush()` too, while it lives."""
+        self._followers[id(follower)] = follower
+
+    # ------------------------------------------------------------------
+    # A micro-step.
+
+    def step(
+        self, grads: Sequence[Any], variables: Sequence[Any] | None, weight: Any, options: Mapping[str, Any]
+    ) -> None:
+        """Accumulates one micro-batch; applies if it completes the cycle.
+
+        Raises:
+            ValueError: See `AccumulatingOptimizer.apply`.
+        """
+        self._options = options
+        weight, count = self.weights.take(weight)
+        grads, variables = check_step_arguments(grads, variables, self.state.variables if self.built else None)
+        if not grads:
+            return
+        if not self.built:
+            self.build(variables)
+        state = self.state
+        state.unscale_restored()
+        indices = state.indices_of(variables)
+        if all(g is None for g in grads):
+            raise ValueError("No gradients provided for any variable (every gradient is None).")
+        if self.cycle.hands_over() and weight is None and not state.participants:
+            # Every micro-batch is a whole batch: hand the gradients over as
+            # they are. Accumulating first would densify `IndexedSlices`
+            # (summing repeated rows, which Keras applies one by one) and give
+            # variables without a gradient zeros instead of skipping them.
+            # (Once anything was accumulated, with another `n` set before,
+            # the accumulating path below finishes that cycle instead.)
+            traced = not self.backend.known(self.backend.read(state.micro_step))
+            with self.cycle.hand_over_guard(traced):
+                if self.agc is None:
+                    # The plain optimizer, bit for bit (its own clipping included).
+                    self.family.apply(grads, variables, options)
+                else:
+                    deliver(self, grads, variables, options)
+            return
+        weight = count if weight is None else weight
+        micro_step = self.backend.read(state.micro_step)
+        steps = micro_step + 1
+        ends = ops.greater_equal(steps, self.current_n())
+        state.check_unmet(ends)
+        self._add(grads, indices, weight, ops.equal(micro_step, 0))
+        self._finish_if(ends, steps)
+
+    def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> None:
+        backend, state = self.backend, self.state
+        if weight is not None:
+            self._weighted = True
+            weight = ops.cast(weight, "float32")
+        given = set()
+        dense: tuple[list[Any], list[Any]] = ([], [])
+        for g, i in zip(grads, indices):
+            if g is None:
+                continue
+            accumulator = state.accumulators[i]
+            if state.keeps_maximum(i):
+                # A weight scales a contribution to a mean or a sum; a
+                # maximum has none to scale.
+                backend.max_into(accumulator, g, first)
+            elif backend.is_slices(g) and self.settings.sparse == "slices":
+                backend.append_slices(state.slice_buffers(i), g, weight)
+            elif backend.is_slices(g):
+                backend.scatter_into(accumulator, g, weight, first)
+            else:
+                if state.keeps_slices(i):
+                    raise ValueError(
+                        f"With sparse=\"slices\", variable {variable_name(state.variables[i])!r} "
+                        "received a dense gradient after tf.IndexedSlices: a variable's gradients "
+                        "must be of one kind (each traced step decides it). Use sparse=\"rows\" "
+                        "(the default), which adds both kinds into one accumulator."
+                    )
+                dense[0].append(accumulator)
+                dense[1].append(g)
+            given.add(i)
+            state.participants.add(i)
+        backend.add_into(*dense, weight, first)
+        # Every other accumulator: the last cycle's sums must not count in
+        # this one. Not only those of variables taking part when this step
+        # was traced: another trace may have made more take part since.
+        missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
+        backend.zero_if(first, missing)
+        backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
+
+    def flush(self) -> None:
+        """Applies what the current cycle holds now, if anything: the
+        (weighted) mean over the micro-batches actually accumulated."""
+        for follower in list(self._followers.values()):
+            follower.flush()
+        state = self.state
+        if state is None or not state.participants:
+            return
+        state.unscale_restored()
+        self.backend.on_each_replica(self.family, self._flush_here)
+
+    def _flush_here(self) -> None:
+        steps = self.backend.read(self.state.micro_step)
+        if self.backend.known(steps) and int(ops.convert_to_numpy(steps)) == 0:
+            return  # an empty cycle
+        ends = ops.greater(steps, 0)
+        self.state.check_unmet(ends)
+        self._finish_if(ends, steps)
+
+    # ------------------------------------------------------------------
+    # The end of a cycle.
+
+    def _finish_if(self, ends: Any, steps: Any) -> None:
+        """Runs the cycle's update, kept only if `ends`; then resets the
+        micro-step counter (if `ends`) or sets it to `steps`."""
+        backend, state = self.backend, self.state
+        included = state.taking_part()
+        state.check_left_out(ends)
+        divisor = self._divisor()
+        variables = [state.variables[i] for i in included]
+        kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
+
+        def apply(values: list[Any]) -> None:
+            grads = [ops.cast(v, w.dtype) for v, w in zip(values, variables)]
+            for k, buffers in kept.items():
+                grads[k] = backend.kept_slices(buffers, variables[k].shape, divisor)
+            deliver(self, grads, variables, self._options)
+
+        accumulators = [state.accumulators[i] for i in included]
+        update = Update(
+            ends=ends,
+            accumulators=accumulators,
+            divided=[not state.keeps_maximum(i) for i in included],
+            divisor=divisor,
+            apply=apply,
+            family=self.family,
+            variables=state.variables,
+        )
+        backend.finish(update, self.settings.mode)
+        if self.family.grows:
+            # A step traced before an accumulator was added cannot zero it on
+            # a cycle's first micro-step; the end of a cycle does instead.
+            backend.zero_if(ends, accumulators)
+        if kept:
+            backend.clear_slices_if(ends, list(kept.values()))
+        backend.assign(state.micro_step, ops.where(ends, ops.zeros_like(steps), steps))
+
+    def _divisor(self) -> Any:
+        """The mean's divisor, the weight total (None for `"sum"`).
+
+        Unweighted, each replica divides its sum by its own micro-batch count
+        and the wrapped optimizer's all-reduce adds the replicas' shares, as
+        in plain training. Weighted, the divisor is the weight total over all
+        replicas (one scalar all-reduce) divided by the replica count, since
+        Keras already scales every replica's loss by 1 / replicas. Read
+        outside any branch: the all-reduce must not run inside one.
+        """
+        if self.settings.reduction == "sum":
+            return None
+        total = self.backend.read(self.state.weight_total)
+        replicas = self.backend.replicas()
+        if self._weighted and replicas > 1:
+            total = self.backend.sum_over_replicas(total) / float(replicas)
+        # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
+        return ops.where(total > 0, total, ops.ones_like(total))
+
+
+def deliver(core: Core, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+    """Hands a whole update's gradients to the wrapped optimizer.
+
+    Clips them first as one device training on the large batch would: AGC
+    (if set) on the gradient summed over replicas and unscaled, then, under
+    several replicas where the optimizer would clip each replica's share,
+    its own clipping of that sum. Used for the accumulated mean, and with
+    `n=1` for the gradients as they come.
+    """
+    grads = list(grads)
+    family, agc, backend = core.family, core.agc, core.backend
+    replicas = backend.replicas()
+    clip = family.replica_clip() if replicas > 1 else None
+    if agc is not None or clip is not None:
+        scale = family.gradient_scale()
+
+        def clip_sum(summed: list[Any]) -> list[Any]:
+            if agc is not None:
+                summed = agc.clip(summed, variables, scale)
+            return summed if clip is None else clip(summed)
+
+        grads = backend.clip_as_one_device(grads, clip_sum) if replicas > 1 else clip_sum(grads)
+    family.apply(grads, variables, options)

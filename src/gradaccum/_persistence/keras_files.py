@@ -1,0 +1,192 @@
+"""The accumulation state in Keras files (`.keras`, `.weights.h5`).
+
+The state goes under `gradaccum_*` keys beside the wrapped optimizer's own,
+the same on every backend, so a file written on one resumes its partial
+cycle on another. Each accumulator's variable is named (`gradaccum_names`,
+paths relative to what they share), so a model that lists its variables in
+another order once reloaded gets each sum back on its variable. State
+written with another `n` or `reduction` is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from gradaccum._state import State
+
+KEY = "gradaccum_"
+# Optimizer state a Keras file would lose (`Keras3Family.untracked_variables`).
+UNTRACKED = f"{KEY}untracked_"
+_REDUCTIONS = ("mean", "sum")
+
+
+def owns_key(key: str) -> bool:
+    """Whether a Keras-file key is the accumulation state's."""
+    return key.startswith(KEY)
+
+
+def read_store(store: Any) -> dict[str, np.ndarray]:
+    """A Keras weights store's values, read into memory (Keras closes the
+    file once loading returns)."""
+    # A Keras store is not a dict: it lists its keys with `keys()`.
+    return {key: np.array(store[key]) for key in store.keys()}  # noqa: SIM118
+
+
+def _path(variable: Any) -> str:
+    path = getattr(variable, "path", None) or variable.name
+    return path[:-2] if path.endswith(":0") else path
+
+
+def relative_names(variables: Sequence[Any]) -> list[str]:
+    """The variables' paths without the leading components they all share:
+    a model built in Python and the same model loaded from a file may give
+    the same variables paths that differ by a leading model name. The last
+    component is never dropped."""
+    parts = [_path(v).split("/") for v in variables]
+    common = 0
+    if parts:
+        shortest = min(len(p) for p in parts) - 1
+        while common < shortest and all(p[common] == parts[0][common] for p in parts):
+            common += 1
+    return ["/".join(p[common:]) for p in parts]
+
+
+def check_settings(saved_n: int, saved_reduction: str, n: int, reduction: str) -> None:
+    """Refuses state written with another `n` (0: a schedule) or `reduction`."""
+
+    def describe(n: int) -> str:
+        return "a schedule" if n == 0 else f"n={n}"
+
+    if saved_n != n:
+        raise ValueError(
+            "The checkpoint's gradient-accumulation state was written with "
+            f"{describe(saved_n)}, but this optimizer accumulates with "
+            f"{describe(n)}. Wrap the optimizer the same way to resume "
+            "this cycle, or restore into the plain optimizer to drop the "
+            "partial cycle."
+        )
+    if saved_reduction != reduction:
+        raise ValueError(
+            "The checkpoint's gradient-accumulation state was written with "
+            f"reduction={saved_reduction!r}, but this optimizer has reduction={reduction!r}."
+        )
+
+
+def check_store(values: dict[str, np.ndarray], n: int, reduction: str) -> None:
+    """`check_settings` for a Keras store (one without the state passes)."""
+    if f"{KEY}n" in values:
+        saved = int(np.asarray(values[f"{KEY}reduction"]))
+        check_settings(int(np.asarray(values[f"{KEY}n"])), _REDUCTIONS[saved] if saved < 2 else "?", n, reduction)
+
+
+def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np.ndarray]:
+    """The state as Keras files hold it. Between cycles the accumulators and
+    the weight total hold the last cycle's values, which count for nothing:
+    they are written as zeros."""
+    state.unscale_restored()
+    begun = state.begun()
+    total = backend.saved(state.weight_total, False)
+    names = "\0".join(relative_names(state.variables)).encode("utf-8")
+    values = {
+        f"{KEY}n": np.asarray(n, dtype=np.int64),
+        f"{KEY}reduction": np.asarray(_REDUCTIONS.index(reduction)),
+        f"{KEY}micro_step": np.asarray(backend.saved(state.micro_step, False), np.int64),
+        f"{KEY}weight_total": total if begun else np.zeros_like(total),
+        f"{KEY}seen": np.array([i in state.participants for i in range(len(state.accumulators))]),
+        # Keras stores hold numbers only: UTF-8 bytes, separated by NUL.
+        f"{KEY}names": np.frombuffer(names, dtype=np.uint8),
+    }
+    for i, accumulator in enumerate(state.accumulators):
+        value = backend.saved(accumulator, state.keeps_maximum(i))
+        values[f"{KEY}accumulator_{i}"] = value if begun else np.zeros_like(value)
+        if i in state.kept:
+            kept_values, kept_indices = state.kept[i]
+            values[f"{KEY}kept_values_{i}"] = backend.saved(kept_values, False)
+            values[f"{KEY}kept_indices_{i}"] = backend.saved(kept_indices, False)
+    return values
+
+
+def _sources(values: dict[str, np.ndarray], state: State) -> list[int]:
+    """`source[i]`: the saved position of accumulator `i`. By name when the
+    saved names and these are the same set of distinct names; otherwise (a
+    model with other layer names, or no names written) by position, as the
+    wrapped Keras optimizer loads its own variables.
+
+    Raises:
+        ValueError: If the store was written for another model.
+    """
+    count = sum(1 for k in values if k.startswith(f"{KEY}accumulator_"))
+    names = relative_names(state.variables)
+    saved_names = None
+    if f"{KEY}names" in values and count:
+        saved_names = np.asarray(values[f"{KEY}names"], dtype=np.uint8).tobytes().decode("utf-8").split("\0")
+    if count != len(state.accumulators):
+        differ = ""
+        if saved_names is not None:
+            only_saved = [m for m in saved_names if m not in names][:5]
+            only_here = [m for m in names if m not in saved_names][:5]
+            differ = f" Saved only: {only_saved}; here only: {only_here}."
+        raise ValueError(
+            f"The saved gradient-accumulation state has {count} accumulators, but this "
+            f"optimizer has {len(state.accumulators)} (one per trainable variable): it "
+            f"was saved for another model.{differ}"
+        )
+    source = list(range(count))
+    if saved_names is not None and len(set(saved_names)) == count == len(set(names)) and set(saved_names) == set(names):
+        position = {name: j for j, name in enumerate(saved_names)}
+        source = [position[name] for name in names]
+    for i, j in enumerate(source):
+        shape, saved = tuple(state.variables[i].shape), tuple(values[f"{KEY}accumulator_{j}"].shape)
+        if saved != shape:
+            where = repr(saved_names[j]) if saved_names is not None else f"at position {j}"
+            raise ValueError(
+                f"The saved accumulator for variable {where} has shape {saved}, but this "
+                f"optimizer's variable {_path(state.variables[i])!r} (position {i}) has shape "
+                f"{shape}: the state was saved for another model."
+            )
+    return source
+
+
+def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: str) -> None:
+    """Loads what `snapshot` wrote (older files: without names, weight
+    total or participation).
+
+    Raises:
+        ValueError: If the store was written for another model, or holds
+            kept slices where no backend keeps them.
+    """
+    source = _sources(values, state)
+    kept = {i: j for i, j in enumerate(source) if f"{KEY}kept_values_{j}" in values}
+    if kept and not hasattr(backend, "slice_buffers"):
+        raise ValueError(
+            "The saved state holds sparse=\"slices\" slices, which only the TensorFlow backend "
+            "keeps; load it on TensorFlow."
+        )
+    for i, j in enumerate(source):
+        value = np.asarray(values[f"{KEY}accumulator_{j}"]).copy()
+        if i in kept and sparse != "slices":
+            # Kept slices loaded where rows are accumulated: their rows' sums.
+            np.add.at(value, values[f"{KEY}kept_indices_{j}"].astype(np.int64), values[f"{KEY}kept_values_{j}"])
+        backend.load(state.accumulators[i], value.astype(backend.saved(state.accumulators[i], False).dtype),
+                     state.keeps_maximum(i))
+    if sparse == "slices":
+        for i in range(len(state.accumulators)):
+            if i in kept:
+                buffers = state.slice_buffers(i)
+                for buffer, key in zip(buffers, ("kept_values", "kept_indices")):
+                    buffer.assign(values[f"{KEY}{key}_{kept[i]}"].astype(backend.saved(buffer, False).dtype))
+            elif state.keeps_slices(i):
+                backend.clear_slices([state.slice_buffers(i)])
+    micro_step = int(np.asarray(values[f"{KEY}micro_step"]))
+    backend.assign(state.micro_step, micro_step)
+    if f"{KEY}seen" in values:
+        seen = np.asarray(values[f"{KEY}seen"], dtype=bool)
+        state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
+    elif micro_step > 0:  # written before participation was: read it off the sums
+        state.participants = {i for i, j in enumerate(source) if np.any(values[f"{KEY}accumulator_{j}"])}
+    # Written before weights existed, every micro-batch weighed 1.
+    total = values.get(f"{KEY}weight_total", np.asarray(micro_step, np.float32))
+    backend.load(state.weight_total, np.asarray(total, np.float32), False)

@@ -1,0 +1,125 @@
+"""`Settings`: how one optimizer accumulates, checked once.
+
+The arguments of `accumulate()` are one frozen value. It is checked when it
+is made, and everything that needs the settings reads this value: the
+optimizer proxy, the accumulating core, configs, pickles and copies, the
+loss-scale wrapping and `accumulating()`. A setting added here is saved,
+copied and restored without another list to extend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from gradaccum import _validation
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The settings of an accumulating optimizer (see `gradaccum.accumulate`).
+
+    Attributes:
+        n: Micro-batches per applied update: an int >= 1, or a schedule (a
+            callable of the applied-update count returning the next cycle's
+            `n`).
+        reduction: `"mean"` or `"sum"`.
+        mode: `"masked"` or `"skip"`.
+        weigh_by: `"count"` or `"batch"`.
+        sparse: `"rows"` or `"slices"`.
+        agc: Adaptive gradient clipping's factor, or None (off).
+        agc_eps: The smallest weight norm an AGC cap is computed from.
+        agc_exclude: The variables AGC leaves alone: None, a predicate, or a
+            tuple of variables and variable paths.
+
+    Raises:
+        TypeError: If a setting has the wrong type.
+        ValueError: If a setting has a wrong value, or `agc_exclude` is
+            given without `agc`.
+    """
+
+    n: int | Callable[[Any], Any]
+    reduction: str = "mean"
+    mode: str = "masked"
+    weigh_by: str = "count"
+    sparse: str = "rows"
+    agc: float | None = None
+    agc_eps: float = 1e-3
+    agc_exclude: Any = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            check = _CHECKS[field.name]
+            object.__setattr__(self, field.name, check(getattr(self, field.name)))
+        if self.agc is None and self.agc_exclude is not None:
+            raise ValueError(
+                "`agc_exclude` names variables adaptive gradient clipping leaves "
+                "out, but `agc` is None (clipping is off). Pass `agc=` (for "
+                "example 0.01) or drop `agc_exclude`."
+            )
+
+    def replace(self, **changes: Any) -> Settings:
+        """These settings with `changes` (checked)."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting by name: the keyword arguments of `accumulate()`."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def portable(self) -> Settings:
+        """These settings with the variables AGC leaves out named by their
+        paths: what a copy, a pickle or a config carries, since it meets the
+        variables of another model (or of the same one loaded anew)."""
+        exclude = self.agc_exclude
+        if exclude is None or callable(exclude):
+            return self
+        from gradaccum._agc import variable_path
+
+        return self.replace(agc_exclude=tuple(e if isinstance(e, str) else variable_path(e) for e in exclude))
+
+    def to_config(self) -> dict[str, Any]:
+        """The settings as a Keras config: callables (a schedule of `n`, an
+        AGC predicate) serialized as Keras serializes any function."""
+        from keras.src.saving import serialization_lib
+
+        config = self.portable().as_dict()
+        for name, value in config.items():
+            if callable(value):
+                config[name] = serialization_lib.serialize_keras_object(value)
+            elif isinstance(value, tuple):
+                config[name] = list(value)
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Settings:
+        """The inverse of `to_config` (a setting the config lacks gets its
+        default, as in a config written before that setting existed).
+
+        Raises:
+            TypeError: If `config` lacks `n`.
+            ValueError: If `config` names an unknown setting.
+        """
+        import keras
+
+        unknown = set(config) - {field.name for field in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"Unknown settings in an accumulating optimizer's config: {sorted(unknown)}.")
+        values = dict(config)
+        for name, value in values.items():
+            if isinstance(value, dict):
+                values[name] = keras.saving.deserialize_keras_object(value, custom_objects=custom_objects)
+        return cls(**values)
+
+
+# One check per setting, each returning the value as kept.
+_CHECKS: dict[str, Callable[[Any], Any]] = {
+    "n": _validation.check_n_or_schedule,
+    "reduction": _validation.check_reduction,
+    "mode": _validation.check_mode,
+    "weigh_by": _validation.check_weigh_by,
+    "sparse": _validation.check_sparse,
+    "agc": _validation.check_agc,
+    "agc_eps": _validation.check_agc_eps,
+    "agc_exclude": _validation.check_agc_exclude,
+}

@@ -1,0 +1,84 @@
+"""What each micro-step weighs in the mean of its cycle."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from keras import ops
+
+from gradaccum._backend import Backend
+from gradaccum._validation import check_weight, check_weight_value
+
+
+class Weights:
+    """What each micro-step weighs: an explicit `weight`, else one a
+    loss-scale wrapping hands over (`weighing`), else the count its loss was
+    divided by (`count_next`), else 1 (None).
+
+    Args:
+        backend: The backend's hooks.
+        weigh_by: `"count"` or `"batch"`.
+    """
+
+    def __init__(self, backend: Backend, weigh_by: str):
+        self._backend = backend
+        self._weigh_by = weigh_by
+        # A weight handed over by a loss-scale wrapping for the next micro-step.
+        self._handed: Any = None
+        # Loss counts handed over for the next micro-step, by replica: each
+        # replica computes its loss and applies in a thread of its own.
+        self._counts: dict[int, Any] = {}
+
+    @contextlib.contextmanager
+    def weighing(self, weight: Any) -> Iterator[None]:
+        """Hands `weight` to the micro-step run within the block.
+
+        A loss-scale optimizer calls the core without a weight; the
+        accumulating optimizer around it hands the weight over this way.
+        """
+        self._handed = check_weight(weight)
+        try:
+            yield
+        finally:
+            self._handed = None
+
+    def count_next(self, count: Any) -> None:
+        """Hands the next micro-step the count its loss was divided by.
+
+        `model.fit`'s loss computation calls this (see
+        `gradaccum._loss_counts`) right before the train step applies the
+        gradients of that loss. The next micro-step of this replica without
+        an explicit `weight` weighs `count`; with `weigh_by="batch"`, or
+        `count=None`, it weighs 1. A count is used once, only in the trace
+        (or eager run) it was computed in; a newer count replaces one not
+        used yet.
+
+        Args:
+            count: A scalar float32 tensor, or None.
+        """
+        replica = self._backend.replica_id()
+        if count is None or self._weigh_by != "count":
+            self._counts.pop(replica, None)
+        else:
+            self._counts[replica] = count
+
+    def take(self, weight: Any) -> tuple[Any, Any]:
+        """`(weight, count)` for this micro-step: the explicit weight
+        (checked: a number always, a tensor where its value is known) or the
+        handed one, and the loss count. The count is taken either way, so
+        that it never outlives its step.
+
+        Raises:
+            TypeError, ValueError: For a wrong explicit weight.
+        """
+        weight = check_weight(weight)
+        if weight is not None and not isinstance(weight, float) and self._backend.known(weight):
+            check_weight_value(float(ops.convert_to_numpy(weight)))
+        if weight is None:
+            weight, self._handed = self._handed, None
+        count = self._counts.pop(self._backend.replica_id(), None)
+        if count is not None and not self._backend.usable_here(count):
+            count = None
+        return weight, count
