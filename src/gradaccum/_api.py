@@ -36,8 +36,9 @@ def accumulate(
             an optimizer class or factory function.
         n: Micro-batches per applied update: an int >= 1, or a schedule: a
             callable that takes the number of applied updates (an integer
-            tensor) and returns `n` for the next cycle, written with Keras
-            ops, for example `lambda step: keras.ops.where(step < 100, 2, 8)`.
+            tensor; on PyTorch a Python int, so that nothing is read back
+            from the device) and returns `n` for the next cycle, for example
+            `lambda step: keras.ops.where(step < 100, 2, 8)`.
         reduction: `"mean"` (default) applies the mean of the micro-batch
             gradients, as training on the large batch with a mean-reduced loss
             does; `"sum"` applies their sum (for sum-reduced losses). Weighted

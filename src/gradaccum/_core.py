@@ -71,7 +71,7 @@ class Core:
         self._on_built = on_built
         self.weights = Weights(backend, settings.weigh_by)
         # Whether any micro-batch was weighted (decided while tracing).
-        self._weighted = False
+        self.weighted = False
         # Extra `apply_gradients` arguments of the latest micro-step, for the
         # update its cycle ends with (also when `flush()` ends it).
         self._options: Mapping[str, Any] = {}
@@ -103,17 +103,7 @@ class Core:
 
     def view(self) -> AccumulationState | None:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it."""
-        state = self.state
-        if state is None:
-            return None
-        state.settle()
-        return AccumulationState(
-            variables=tuple(state.variables),
-            accumulators=tuple(state.accumulators),
-            micro_step=self.backend.snapshot(state.micro_step),
-            weight_total=self.backend.snapshot(state.weight_total),
-            kept_slices=dict(state.kept),
-        )
+        return None if self.state is None else self.state.view()
 
     def listed(self) -> list[Any]:
         """The state's variables the proxy lists in `variables`."""
@@ -145,6 +135,8 @@ class Core:
         with self.backend.eagerly():
             for callback in waiting:
                 callback()
+        # A new state's position is 0, unless what waited loaded one.
+        self.resync(counter=bool(waiting))
 
     def when_built(self, callback: Callable[[], None]) -> None:
         """Runs `callback` once the optimizer and the state are built: at
@@ -196,20 +188,47 @@ class Core:
                     self.family.apply(grads, variables, options)
                 else:
                     deliver(self, grads, variables, options)
+            if state.host_applied is not None:
+                state.host_applied += 1
             return
         weight = count if weight is None else weight
-        micro_step = self.backend.read(state.micro_step)
-        steps = micro_step + 1
-        ends = ops.greater_equal(steps, self.current_n())
+        first, steps, ends = self._position()
         state.check_unmet(ends)
-        self._add(grads, indices, weight, ops.equal(micro_step, 0))
+        self._add(grads, indices, weight, first)
         self._finish_if(ends, steps)
+
+    def _position(self) -> tuple[Any, Any, Any]:
+        """`(first, steps, ends)`: whether this micro-step is its cycle's
+        first, the cycle's micro-steps with it, whether it ends the cycle.
+        Python values where the backend keeps the position on the host,
+        backend tensors elsewhere."""
+        state, backend = self.state, self.backend
+        if backend.host_counters:
+            steps = state.host_micro_step + 1
+            return steps == 1, steps, steps >= self.cycle.on_host(state.host_applied)
+        micro_step = backend.read(state.micro_step)
+        steps = micro_step + 1
+        return ops.equal(micro_step, 0), steps, ops.greater_equal(steps, self.current_n())
+
+    def resync(self, counter: bool = True) -> None:
+        """Reads the host's copy of the cycle's position (if `counter`) and,
+        for a schedule, of the applied-update count from the variables, where
+        the backend keeps them on the host: after a build or a restore, not
+        per micro-step."""
+        state = self.state
+        if state is None or not self.backend.host_counters:
+            return
+        if counter:
+            state.host_micro_step = int(self.backend.saved(state.micro_step, False))
+        if self.cycle.schedule is not None:
+            state.host_applied = int(ops.convert_to_numpy(self.family.iterations))
 
     def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> None:
         backend, state = self.backend, self.state
         if weight is not None:
-            self._weighted = True
-            weight = ops.cast(weight, "float32")
+            self.weighted = True
+            if not isinstance(weight, float):
+                weight = ops.cast(weight, "float32")
         given = set()
         dense: tuple[list[Any], list[Any]] = ([], [])
         for g, i in zip(grads, indices):
@@ -237,11 +256,12 @@ class Core:
             given.add(i)
             state.participants.add(i)
         backend.add_into(*dense, weight, first)
-        # Every other accumulator: the last cycle's sums must not count in
-        # this one. Not only those of variables taking part when this step
-        # was traced: another trace may have made more take part since.
-        missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
-        backend.zero_if(first, missing)
+        if first is not False:  # False: a later micro-step known on the host
+            # Every other accumulator: the last cycle's sums must not count in
+            # this one. Not only those of variables taking part when this step
+            # was traced: another trace may have made more take part since.
+            missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
+            backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
 
     def flush(self) -> None:
@@ -256,10 +276,15 @@ class Core:
         self.backend.on_each_replica(self.family, self._flush_here)
 
     def _flush_here(self) -> None:
-        steps = self.backend.read(self.state.micro_step)
-        if self.backend.known(steps) and int(ops.convert_to_numpy(steps)) == 0:
-            return  # an empty cycle
-        ends = ops.greater(steps, 0)
+        if self.backend.host_counters:
+            steps, ends = self.state.host_micro_step, True
+            if steps == 0:
+                return  # an empty cycle
+        else:
+            steps = self.backend.read(self.state.micro_step)
+            if self.backend.known(steps) and int(ops.convert_to_numpy(steps)) == 0:
+                return  # an empty cycle
+            ends = ops.greater(steps, 0)
         self.state.check_unmet(ends)
         self._finish_if(ends, steps)
 
@@ -270,9 +295,22 @@ class Core:
         """Runs the cycle's update, kept only if `ends`; then resets the
         micro-step counter (if `ends`) or sets it to `steps`."""
         backend, state = self.backend, self.state
+        if ends is not False:  # False: an in-between micro-step known on the host
+            self._update_if(ends)
+        if backend.host_counters:
+            state.host_micro_step = 0 if ends else steps
+            if ends and state.host_applied is not None:
+                state.host_applied += 1
+            backend.set_counter(state.micro_step, state.host_micro_step)
+        else:
+            backend.assign(state.micro_step, ops.where(ends, ops.zeros_like(steps), steps))
+
+    def _update_if(self, ends: Any) -> None:
+        """Hands the backend the cycle's update, to take effect if `ends`."""
+        backend, state = self.backend, self.state
         included = state.taking_part()
         state.check_left_out(ends)
-        divisor = self._divisor()
+        divisor = _divisor(self)
         variables = [state.variables[i] for i in included]
         kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
 
@@ -299,26 +337,6 @@ class Core:
             backend.zero_if(ends, accumulators)
         if kept:
             backend.clear_slices_if(ends, list(kept.values()))
-        backend.assign(state.micro_step, ops.where(ends, ops.zeros_like(steps), steps))
-
-    def _divisor(self) -> Any:
-        """The mean's divisor, the weight total (None for `"sum"`).
-
-        Unweighted, each replica divides its sum by its own micro-batch count
-        and the wrapped optimizer's all-reduce adds the replicas' shares, as
-        in plain training. Weighted, the divisor is the weight total over all
-        replicas (one scalar all-reduce) divided by the replica count, since
-        Keras already scales every replica's loss by 1 / replicas. Read
-        outside any branch: the all-reduce must not run inside one.
-        """
-        if self.settings.reduction == "sum":
-            return None
-        total = self.backend.read(self.state.weight_total)
-        replicas = self.backend.replicas()
-        if self._weighted and replicas > 1:
-            total = self.backend.sum_over_replicas(total) / float(replicas)
-        # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
-        return ops.where(total > 0, total, ops.ones_like(total))
 
 
 def deliver(core: Core, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
@@ -344,3 +362,23 @@ def deliver(core: Core, grads: Sequence[Any], variables: Sequence[Any], options:
 
         grads = backend.clip_as_one_device(grads, clip_sum) if replicas > 1 else clip_sum(grads)
     family.apply(grads, variables, options)
+
+
+def _divisor(core: Core) -> Any:
+    """The mean's divisor, the weight total (None for `"sum"`).
+
+    Unweighted, each replica divides its sum by its own micro-batch count
+    and the wrapped optimizer's all-reduce adds the replicas' shares, as
+    in plain training. Weighted, the divisor is the weight total over all
+    replicas (one scalar all-reduce) divided by the replica count, since
+    Keras already scales every replica's loss by 1 / replicas. Read
+    outside any branch: the all-reduce must not run inside one.
+    """
+    if core.settings.reduction == "sum":
+        return None
+    total = core.backend.read(core.state.weight_total)
+    replicas = core.backend.replicas()
+    if core.weighted and replicas > 1:
+        total = core.backend.sum_over_replicas(total) / float(replicas)
+    # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
+    return ops.where(total > 0, total, ops.ones_like(total))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -97,6 +98,24 @@ class Cycle:
         if self._variable is None:
             return ops.convert_to_tensor(self._n, dtype=dtype)
         return self._backend.read(self._variable)
+
+    def on_host(self, applied: int | None) -> int:
+        """`n` for the current cycle as a Python int, for a backend that keeps
+        the cycle's position on the host: the int, or the schedule called
+        with the applied-update count as a Python int. A schedule that
+        returns a tensor is read back from the device; one that returns a
+        Python int reads nothing.
+
+        Raises:
+            ValueError: If the schedule returns a value below 1.
+        """
+        if self.schedule is None:
+            return self._n
+        n = self.schedule(applied)
+        n = n if isinstance(n, numbers.Integral) else int(ops.convert_to_numpy(n))
+        if n < 1:
+            raise ValueError(f"The `n` schedule returned {n}; it must return an int >= 1.")
+        return int(n)
 
     def hands_over(self) -> bool:
         """Whether every micro-batch is a whole batch (`n` is the int 1)."""

@@ -19,11 +19,16 @@ import numpy as np
 from keras import ops
 
 from gradaccum._backend import Backend
+from gradaccum._view import AccumulationState
 
 
 def variable_name(variable: Any) -> str:
     """A variable's path (Keras 3) or name, for messages."""
     return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
+
+
+def _keeps_maximum(variable: Any) -> bool:
+    return bool(getattr(variable, "overwrite_with_gradient", False))
 
 
 class State:
@@ -41,11 +46,18 @@ class State:
         self._family = family
         self.variables: list[Any] = list(variables)
         self._index = {family.var_key(v): i for i, v in enumerate(self.variables)}
+        # Whether each variable keeps its cycle's maximum (`keeps_maximum`).
+        self._maxima = [_keeps_maximum(v) for v in self.variables]
         created = backend.create_state(family, self.variables, n)
         self.accumulators: list[Any] = created.accumulators
         self.micro_step = created.micro_step
         self.weight_total = created.weight_total
         self.n = created.n
+        # Where the backend keeps the cycle's position on the host
+        # (`Backend.host_counters`): the micro-step counter's value, and the
+        # wrapped optimizer's applied updates once a schedule needs them.
+        self.host_micro_step = 0
+        self.host_applied: int | None = None
         # With `sparse="slices"`: each variable's (values, indices) buffers,
         # by position, created when it first receives `tf.IndexedSlices`.
         self.kept: dict[int, tuple[Any, Any]] = {}
@@ -112,6 +124,7 @@ class State:
         for i, v in enumerate(variables):
             self._index[self._family.var_key(v)] = start + i
         self.variables.extend(variables)
+        self._maxima.extend(_keeps_maximum(v) for v in variables)
         # Appended to the tracked list: checkpointed as the next positions,
         # and restored there from a checkpoint read before they existed.
         self.accumulators.extend(accumulators)
@@ -183,10 +196,10 @@ class State:
 
         True for Keras variables marked `overwrite_with_gradient` (a float8
         layer's scales and amax histories): the wrapped optimizer assigns
-        their "gradient", which is their new value. Read when a step is
-        traced, as Keras reads it when it applies gradients.
+        their "gradient", which is their new value. Keras marks them when it
+        creates them, so this is read once, when the state is built.
         """
-        return bool(getattr(self.variables[index], "overwrite_with_gradient", False))
+        return self._maxima[index]
 
     # ------------------------------------------------------------------
     # Kept slices (`sparse="slices"`, TensorFlow).
@@ -245,6 +258,18 @@ class State:
         if self.checkpoint is not None and self.checkpoint.restored:
             with self._backend.eagerly():
                 self.checkpoint.unscale(self)
+
+    def view(self) -> AccumulationState:
+        """The state as `AccumulatingOptimizer.accumulation_state` shows it
+        (settled first, see `settle`)."""
+        self.settle()
+        return AccumulationState(
+            variables=tuple(self.variables),
+            accumulators=tuple(self.accumulators),
+            micro_step=self._backend.snapshot(self.micro_step),
+            weight_total=self._backend.snapshot(self.weight_total),
+            kept_slices=dict(self.kept),
+        )
 
     def settle(self) -> None:
         """Makes the state read as `AccumulationState` documents it.

@@ -64,6 +64,17 @@ class Weights:
         else:
             self._counts[replica] = count
 
+    def _check_value(self, weight: Any) -> None:
+        backend = self._backend
+        if backend.host_counters:
+            # Checked on the device, without reading it (PyTorch).
+            backend.assert_that(
+                lambda: ops.logical_and(ops.greater_equal(weight, 0), ops.isfinite(weight)),
+                "`weight` must be a finite number >= 0 (for example the micro-batch's sample count).",
+            )
+        elif backend.known(weight):
+            check_weight_value(float(ops.convert_to_numpy(weight)))
+
     def take(self, weight: Any) -> tuple[Any, Any]:
         """`(weight, count)` for this micro-step: the explicit weight
         (checked: a number always, a tensor where its value is known) or the
@@ -74,8 +85,8 @@ class Weights:
             TypeError, ValueError: For a wrong explicit weight.
         """
         weight = check_weight(weight)
-        if weight is not None and not isinstance(weight, float) and self._backend.known(weight):
-            check_weight_value(float(ops.convert_to_numpy(weight)))
+        if weight is not None and not isinstance(weight, float):
+            self._check_value(weight)
         if weight is None:
             weight, self._handed = self._handed, None
         count = self._counts.pop(self._backend.replica_id(), None)

@@ -10,10 +10,12 @@ are two:
   graphs and XLA, `tf.IndexedSlices`, and the two ways to run the wrapped
   optimizer's update: masked (branch-free around anything that synchronises
   replicas) or skipped (a branch decided in cross-replica context).
-- `keras_ops.KerasOpsBackend` (`keras_ops.py`), for JAX and PyTorch, written
-  with Keras ops: `keras.Variable`s that travel in the optimizer's
-  `variables`, in-place writes on PyTorch, and `jax.lax.cond` where JAX
-  traces.
+- `keras_ops.KerasOpsBackend` (`keras_ops.py`), for JAX, written with Keras
+  ops: `keras.Variable`s that travel in the optimizer's `variables`, and
+  `jax.lax.cond` where JAX traces.
+- `pytorch.TorchBackend` (`pytorch.py`), its subclass for PyTorch: in-place,
+  fused multi-tensor writes, and the cycle's position kept on the host, so
+  that a micro-step reads nothing back from the device.
 
 Importing this package imports no backend: on JAX and PyTorch TensorFlow
 need not be installed. `check_supported()` refuses a backend that cannot
@@ -23,8 +25,8 @@ train; `for_active()` gives the hooks of the active one.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import keras
@@ -124,6 +126,10 @@ class Backend(Protocol):
 
     # The dtype of the micro-step counter and of `n`.
     counter_dtype: str
+    # Whether the cycle's position is kept on the host (Python integers), so
+    # that the conditions the hooks receive are Python booleans, and the
+    # counter variable is written (`set_counter`), never read, per micro-step.
+    host_counters: bool
 
     def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
         """Creates the accumulation state's variables, zeros (`n`: see
@@ -182,6 +188,9 @@ class Backend(Protocol):
 
     def assign(self, variable: Any, value: Any) -> None:
         """Writes `value` to `variable`."""
+
+    def set_counter(self, variable: Any, value: int) -> None:
+        """Writes the Python integer `value` to an integer variable."""
 
     def finish(self, update: Update, mode: str) -> None:
         """Runs `update.apply` so that it takes effect only if `update.ends`
@@ -244,6 +253,10 @@ def for_active() -> Backend:
         from gradaccum._backend.tensorflow.backend import TensorFlowBackend
 
         return TensorFlowBackend()
+    if active() == "torch":
+        from gradaccum._backend.pytorch import TorchBackend
+
+        return TorchBackend()
     from gradaccum._backend.keras_ops import KerasOpsBackend
 
     return KerasOpsBackend()

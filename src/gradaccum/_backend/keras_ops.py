@@ -1,12 +1,11 @@
-"""The hooks on JAX and PyTorch, where optimizers run on Keras ops.
+"""The hooks on JAX (and the base of PyTorch's), where optimizers run on Keras ops.
 
 On JAX, `model.fit` and `optimizer.stateless_apply` run the optimizer inside
 a `StatelessScope`, usually traced by `jax.jit`: a variable's write is
 recorded by the scope, a branch on a traced value must be a `jax.lax.cond`
 of pure functions, and the state must be among the optimizer's `variables`
-to travel from step to step. PyTorch runs eagerly: a write changes the
-tensor in place, so a value kept for later must be copied first, and a
-branch is Python's `if`.
+to travel from step to step. PyTorch (`gradaccum._backend.torch`) runs
+eagerly and writes in place.
 
 Neither has `tf.distribute`: there is one replica, and the update holds no
 communication (JAX's compiled step averages the gradients over devices
@@ -26,8 +25,6 @@ from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope, in_stateless_scope
 
 from gradaccum._backend import StateVariables, Update
-
-_TORCH = "torch"
 
 
 def is_traced(value: Any) -> bool:
@@ -94,12 +91,11 @@ def run_if(condition: Any, fn: Callable[[], None], variables: Sequence[Any]) -> 
 
 
 class KerasOpsBackend:
-    """The hooks of `gradaccum._backend.Backend` on JAX and PyTorch."""
+    """The hooks of `gradaccum._backend.Backend` with Keras ops (JAX)."""
 
     counter_dtype = "int32"
-
-    def __init__(self) -> None:
-        self._torch = keras.config.backend() == _TORCH
+    # The cycle's position is read from the device (see the PyTorch hooks).
+    host_counters = False
 
     # ------------------------------------------------------------------
     # State.
@@ -148,9 +144,7 @@ class KerasOpsBackend:
         return variable.value
 
     def snapshot(self, variable: Any) -> Any:
-        value = variable.value
-        # A PyTorch write copies into the tensor the variable holds.
-        return value.detach().clone() if self._torch else value
+        return variable.value
 
     def eagerly(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -176,11 +170,6 @@ class KerasOpsBackend:
                 grad = grad * ops.cast(weight, accumulator.dtype)
             if is_traced(first):
                 accumulator.assign(ops.where(first, grad, accumulator.value + grad))
-            elif self._torch:
-                if bool(first):
-                    accumulator.value.copy_(grad)
-                else:
-                    accumulator.value.add_(grad)
             else:
                 accumulator.assign(grad if bool(first) else accumulator.value + grad)
 
@@ -198,21 +187,21 @@ class KerasOpsBackend:
                 value = variable.value
                 variable.assign(ops.where(condition, ops.zeros_like(value), value))
             elif bool(condition):
-                if self._torch:
-                    variable.value.zero_()
-                else:
-                    variable.assign(ops.zeros_like(variable.value))
+                variable.assign(ops.zeros_like(variable.value))
 
     def assign(self, variable: Any, value: Any) -> None:
+        variable.assign(value)
+
+    def set_counter(self, variable: Any, value: int) -> None:
         variable.assign(value)
 
     def finish(self, update: Update, mode: str) -> None:
         accumulators, divided, divisor = update.accumulators, update.divided, update.divisor
         if not is_traced(update.ends):
-            # PyTorch, and JAX outside `jit`: whether the cycle ends is known
-            # before the update would run, so the update runs on apply steps
-            # only, and the accumulators are divided in place (no second copy
-            # of the sums while the update runs).
+            # Outside `jit` whether the cycle ends is known before the update
+            # would run, so the update runs on apply steps only, and the
+            # accumulators are divided in place (no second copy of the sums
+            # while the update runs).
             if bool(update.ends):
                 update.apply([
                     self._divide_in_place(a, divisor) if d and divisor is not None else a.value
@@ -237,8 +226,6 @@ class KerasOpsBackend:
         run_if(update.ends, apply, watched)
 
     def _divide_in_place(self, accumulator: Any, divisor: Any) -> Any:
-        if self._torch:
-            return accumulator.value.div_(ops.cast(divisor, accumulator.dtype))
         accumulator.assign(quotient(accumulator.value, divisor))
         return accumulator.value
 

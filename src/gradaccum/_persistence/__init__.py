@@ -123,9 +123,10 @@ class Saved:
             )
         for k, v in enumerate(targets):
             v.assign(np.asarray(values[f"{UNTRACKED}{k}"]))
+        core = self.core
         if f"{KEY}n" in values:
-            core = self.core
             restore(core.state, core.backend, values, core.settings.sparse)
+        core.resync()
 
 
 def config_of(proxy: Any) -> dict[str, Any]:

@@ -181,7 +181,7 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
             elif state.keeps_slices(i):
                 backend.clear_slices([state.slice_buffers(i)])
     micro_step = int(np.asarray(values[f"{KEY}micro_step"]))
-    backend.assign(state.micro_step, micro_step)
+    backend.set_counter(state.micro_step, micro_step)
     if f"{KEY}seen" in values:
         seen = np.asarray(values[f"{KEY}seen"], dtype=bool)
         state.participants = {i for i, j in enumerate(source) if bool(seen[j])}

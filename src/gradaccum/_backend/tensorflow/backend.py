@@ -32,6 +32,7 @@ class TensorFlowBackend:
     """The hooks of `gradaccum._backend.Backend` on TensorFlow."""
 
     counter_dtype = "int64"
+    host_counters = False
 
     # ------------------------------------------------------------------
     # State.
@@ -121,6 +122,9 @@ class TensorFlowBackend:
 
     def assign(self, variable: Any, value: Any) -> None:
         variable.assign(tf.cast(value, variable.dtype), read_value=False)
+
+    def set_counter(self, variable: Any, value: int) -> None:
+        variable.assign(value)
 
     def finish(self, update: Update, mode: str) -> None:
         if mode == "masked":

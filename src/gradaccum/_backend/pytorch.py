@@ -1,0 +1,101 @@
+"""The hooks on PyTorch: in place, and nothing read back from the device.
+
+Keras's PyTorch trainer runs eagerly: each operation is queued for the
+device, and reading a tensor's value into Python (`bool`, `item`, `int`,
+`float`, `tolist`, `numpy`, `cpu`) waits until the device has run all of
+them. So the cycle's position lives on the host (`host_counters`): the core
+knows whether a micro-step is a cycle's first and whether it ends the cycle
+from Python integers, writes the saved counter without reading it, and each
+hook here receives those conditions as Python booleans. The accumulators are
+added into in place, every variable in one multi-tensor operation
+(`torch._foreach_*`), and divided in place on the apply step. A weight passed
+as a tensor is checked on the device (an asynchronous assertion).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from gradaccum._backend import Update
+from gradaccum._backend.keras_ops import KerasOpsBackend
+
+
+def _values(variables: Sequence[Any]) -> list[torch.Tensor]:
+    return [v.value for v in variables]
+
+
+class TorchBackend(KerasOpsBackend):
+    """The hooks of `gradaccum._backend.Backend` on PyTorch."""
+
+    host_counters = True
+
+    def snapshot(self, variable: Any) -> Any:
+        # A write copies into the tensor the variable holds.
+        return variable.value.detach().clone()
+
+    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: bool) -> None:
+        targets = _values(accumulators)
+        if not targets:
+            return
+        values = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, targets)]
+        with torch.no_grad():
+            if first:
+                torch._foreach_copy_(targets, values)
+                if weight is not None:
+                    torch._foreach_mul_(targets, weight)
+            elif weight is None:
+                torch._foreach_add_(targets, values)
+            else:
+                # The product rounded, then the sum, as on every backend: a
+                # fused multiply-add (`alpha=`, `addcmul`) rounds once.
+                torch._foreach_add_(targets, torch._foreach_mul(values, weight))
+
+    def max_into(self, accumulator: Any, value: Any, first: bool) -> None:
+        target = accumulator.value
+        value = value.to(target.dtype)
+        with torch.no_grad():
+            if first:
+                target.copy_(value)
+            else:
+                torch.maximum(target, value, out=target)
+
+    def add_scalar(self, total: Any, value: Any, first: bool) -> None:
+        target = total.value
+        with torch.no_grad():
+            if not first:
+                target.add_(value)
+            elif isinstance(value, float):
+                target.fill_(value)
+            else:
+                target.copy_(value)
+
+    def zero_if(self, condition: bool, variables: Sequence[Any]) -> None:
+        if condition and variables:
+            with torch.no_grad():
+                torch._foreach_zero_(_values(variables))
+
+    def set_counter(self, variable: Any, value: int) -> None:
+        with torch.no_grad():
+            variable.value.fill_(value)
+
+    def finish(self, update: Update, mode: str) -> None:
+        if not update.ends:
+            return
+        values = []
+        with torch.no_grad():
+            for accumulator, divided in zip(update.accumulators, update.divided):
+                target = accumulator.value
+                if divided and update.divisor is not None:
+                    target.div_(update.divisor.to(target.dtype))
+                values.append(target)
+        update.apply(values)
+
+    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+        if bool(condition):
+            fn()
+
+    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
+        torch._assert_async(condition(), message)
