@@ -26,6 +26,11 @@ def accumulate(
 ) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
+    Training on micro-batches of size `B` with the result gives the weights,
+    optimizer state and `iterations` of training `optimizer` on batches of
+    `B * n`, to float32 rounding, on every Keras 3 backend (TensorFlow,
+    JAX, PyTorch) and with tf_keras.
+
     ```python
     opt = accumulate(keras.optimizers.Adam(1e-3), n=4)
     AccAdam = accumulate(n=4)(keras.optimizers.Adam)   # decorator form
@@ -54,13 +59,14 @@ def accumulate(
             decided in cross-replica context, so it works under
             `MirroredStrategy`): in-between micro-steps cost only the
             accumulation, and replicas all-reduce once per cycle. Both give
-            the same result; see "Which mode when" in the README.
+            the same result. On JAX and PyTorch both run the update on the
+            apply step only. See the modes guide (`docs/guides/modes.md`).
         weigh_by: What a micro-batch of `model.fit` weighs in the mean.
             `"count"` (default): the count Keras's loss divided it by (its
             valid entries under a mask, its sum of sample weights for
             `reduction="mean_with_sample_weight"`, its size), so the update
             is the mean over every entry of the cycle, as on the large batch
-            (see the README for several losses). `"batch"`: 1, every
+            (several losses: `docs/guides/loss-counts.md`). `"batch"`: 1, every
             micro-batch alike (Keras's per-batch means, averaged). A
             `weight` passed to `apply_gradients` wins over either.
         sparse: How `tf.IndexedSlices` gradients (an `Embedding`'s) are
@@ -71,7 +77,8 @@ def accumulate(
             the large batch would: exact also where rows repeat and the
             optimizer is not linear in the gradient (Adam's second moment,
             `global_clipnorm`), at the memory of the cycle's slices (see
-            the README). One device only; not under XLA.
+            `docs/guides/sparse.md`). TensorFlow only; one device; not
+            under XLA.
         agc: Adaptive gradient clipping's factor λ (Brock et al. 2021), or
             None (default: off). Each update's gradient (the accumulated
             mean, once per cycle, summed over replicas and unscaled) is
@@ -92,14 +99,17 @@ def accumulate(
         without `optimizer`, a decorator whose result builds one per call.
 
     Raises:
-        TypeError: If `n` is missing or neither an int nor a callable, or
-            `optimizer` is not a Keras optimizer.
+        TypeError: If `n` is missing or neither an int nor a callable,
+            `optimizer` is not a Keras optimizer, or `sparse`, `agc`,
+            `agc_eps` or `agc_exclude` has the wrong type.
         ValueError: If `n < 1`, `reduction`, `mode`, `weigh_by` or `sparse` is
             unknown, `agc` or `agc_eps` is not a finite number > 0,
-            `agc_exclude` is given without `agc`,
-            `optimizer` already accumulates gradients, or the active Keras
-            backend cannot train (numpy, openvino).
-        TypeError: If `agc`, `agc_eps` or `agc_exclude` has the wrong type.
+            `agc_exclude` is given without `agc`, `optimizer` already
+            accumulates gradients (an `AccumulatingOptimizer`, or an
+            optimizer with its own `gradient_accumulation_steps`), a
+            TensorFlow-only setting (`sparse="slices"`) is asked for on
+            another backend, or the active Keras backend cannot train
+            (numpy, openvino).
     """
     # Every argument but the optimizer is a setting, checked once, here.
     given = {name: value for name, value in locals().items() if name != "optimizer"}

@@ -237,8 +237,19 @@ def _layers_of(model: Any) -> list[BatchNormalization]:
 
 
 def follow(model: Any, optimizer: Any) -> None:
-    """Points every `BatchNormalization` of this module in `model` at
-    `optimizer`'s cycle (or at none, if it does not accumulate)."""
+    """Points the model's `gradaccum.layers.BatchNormalization` layers at a cycle.
+
+    `Model.compile` does this for the model's own optimizer; call it once in
+    a custom loop whose model is not compiled with the accumulating
+    optimizer that trains it.
+
+    Args:
+        model: A Keras model; its layers (nested ones included) that are
+            `gradaccum.layers.BatchNormalization` follow `optimizer`.
+        optimizer: The accumulating optimizer that trains `model` (or a
+            loss-scale optimizer around one). An optimizer that does not
+            accumulate detaches the layers: they act as Keras's layer.
+    """
     layers = _layers_of(model)
     if not layers:
         return

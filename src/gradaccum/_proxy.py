@@ -94,8 +94,9 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
         mean over all of them.
 
         Raises:
-            TypeError/ValueError: When set to anything but an int >= 1, or
-                when `n` was given as a schedule.
+            TypeError: When set to anything but an int (bools included).
+            ValueError: When set to an int < 1, or when `n` was given as a
+                schedule.
         """
         return self._self_core.cycle.value
 
@@ -186,12 +187,10 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
         Without a call of `build`, the first `apply_gradients` builds the
         optimizer for the variables it names. A tf_keras OptimizerV2
         (`tf_keras.optimizers.legacy`) creates its state per variable lazily,
-        and so does the proxy around it: a gradient for a variable met later
-        adds that variable's slots and accumulator then (eagerly, or on the
-        first trace of a `tf.function`; build such an optimizer with all
-        variables first, `opt.build(model.trainable_variables)`, to trace
-        later). Checkpoints hold the accumulators by position, in the order
-        the optimizer met the variables.
+        and so does the proxy around it: a variable met later gets its slots
+        and accumulator then (eagerly, or on the first trace of a
+        `tf.function`). Checkpoints hold the accumulators by position, in the
+        order the optimizer met the variables.
 
         Args:
             variables: The trainable variables the optimizer will update.
@@ -212,10 +211,9 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
                 the count its loss was divided by if the loss was computed by
                 `model.compute_loss` (as in `model.fit`) and `weigh_by` is
                 `"count"`, else 1.
-            **kwargs: Further keyword arguments of the wrapped optimizer's
-                `apply_gradients` (a tf_keras optimizer's `name`,
-                `skip_gradients_aggregation`,
-                `experimental_aggregate_gradients`), passed to it on the
+            **kwargs: Keyword arguments of a tf_keras optimizer's
+                `apply_gradients` (`name`, `skip_gradients_aggregation`,
+                `experimental_aggregate_gradients`), passed on to it on the
                 applied update. A Keras 3 optimizer takes none.
 
         Returns:
@@ -237,6 +235,9 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
             trainable_variables: The variables, in the order of `grads`; if
                 omitted, those the optimizer was built with.
             weight: Optional weight of this micro-batch; see `apply_gradients`.
+
+        Returns:
+            What a loss-scale optimizer's `apply` returns around one, else None.
 
         Raises:
             TypeError: If `weight` is not a number or scalar tensor.
@@ -287,6 +288,12 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
         The `minimize` of a tf_keras optimizer (which its `Model.fit` calls),
         with the gradients going through this optimizer's `apply_gradients`.
 
+        Args:
+            loss: A callable returning the loss, or a tensor computed under `tape`.
+            var_list: The variables, or a callable returning them.
+            *args: `tape`, the `tf.GradientTape` of a tensor `loss`.
+            **kwargs: The same, by keyword.
+
         Raises:
             AttributeError: If the wrapped optimizer has no `minimize` (Keras 3).
         """
@@ -295,11 +302,13 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
     def finalize_variable_values(self, var_list: Sequence[Any]) -> None:
         """The wrapped optimizer's, once an update has been applied.
 
-        With `use_ema=True`, Keras's `fit` ends by overwriting the weights
-        with their moving averages, which move only on applied updates; a
-        `fit` shorter than one cycle would copy in their initial zeros. Until
+        With `use_ema=True`, Keras's `fit` ends by copying the moving
+        averages, which move only on applied updates, into the weights: until
         an update has been applied (`iterations` is 0) nothing is finalized,
         as under Keras's own `gradient_accumulation_steps`.
+
+        Args:
+            var_list: The model's trainable variables, as Keras passes them.
         """
         finalize = self.__wrapped__.finalize_variable_values
         if not getattr(self.__wrapped__, "use_ema", False):
