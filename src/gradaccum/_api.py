@@ -8,6 +8,7 @@ from typing import Any
 
 import keras
 
+from gradaccum import _patches
 from gradaccum._proxy import AccumulatingOptimizer
 from gradaccum._settings import Settings
 
@@ -23,7 +24,7 @@ def accumulate(
     agc: float | None = None,
     agc_eps: float = 1e-3,
     agc_exclude: Callable[[Any], bool] | Sequence[Any] | None = None,
-) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
+) -> AccumulatingOptimizer | Decorator:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
     ```python
@@ -106,15 +107,35 @@ def accumulate(
     if n is None:
         raise TypeError("accumulate() requires `n`, the number of micro-batches per update.")
     settings = Settings(**given)
+    _patches.install()
     if optimizer is not None:
         return AccumulatingOptimizer._create(optimizer, settings)
+    return Decorator(settings)
 
-    def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
+
+class Decorator:
+    """What `accumulate(n=...)` returns without an optimizer: it decorates an
+    optimizer class or factory, whose every result accumulates.
+
+    Args:
+        settings: The accumulation's settings.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def __call__(self, factory: Callable[..., Any]) -> Callable[..., Any]:
+        """Wraps `factory` (an optimizer class or function).
+
+        Raises:
+            TypeError: If `factory` is not callable.
+        """
         if not callable(factory):
             raise TypeError(
                 "accumulate(n=...) decorates an optimizer class or factory "
                 f"function. Received: {factory!r} of type {type(factory).__name__}."
             )
+        settings = self.settings
 
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
@@ -122,4 +143,25 @@ def accumulate(
 
         return make
 
-    return decorator
+    def __repr__(self) -> str:
+        return f"<gradaccum.accumulate(n={self.settings.n!r}) decorator>"
+
+
+def optimizer_get(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `keras.optimizers.get` (what `compile` resolves its
+    `optimizer` with), refusing the decorator `accumulate(n=...)` returns
+    with an error that says what to pass instead.
+
+    Raises:
+        TypeError: For such a decorator.
+    """
+    identifier = args[0] if args else kwargs.get("identifier")
+    if isinstance(identifier, Decorator):
+        n = identifier.settings.n
+        raise TypeError(
+            f"`optimizer` is accumulate(n={n!r}) without an optimizer: that is a decorator for an "
+            "optimizer class. Pass the optimizer to wrap, "
+            f"accumulate(keras.optimizers.Adam(1e-3), n={n!r}), or decorate a class and create "
+            f"one: accumulate(n={n!r})(keras.optimizers.Adam)(1e-3)."
+        )
+    return wrapped(*args, **kwargs)

@@ -40,7 +40,7 @@ from gradaccum._backend import Backend, Update
 from gradaccum._cycle import Cycle
 from gradaccum._settings import Settings
 from gradaccum._state import State, variable_name
-from gradaccum._validation import check_step_arguments
+from gradaccum._validation import check_gradient_shapes, check_step_arguments
 from gradaccum._view import AccumulationState
 from gradaccum._weights import Weights
 
@@ -167,6 +167,7 @@ class Core:
         grads, variables = check_step_arguments(grads, variables, self.state.variables if self.built else None)
         if not grads:
             return
+        check_gradient_shapes(grads, variables)
         if not self.built:
             self.build(variables)
         state = self.state
