@@ -12,7 +12,7 @@ creates its state lazily (`OptimizerFamily.grows`). How it persists is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,11 @@ class State:
         self.micro_step = created.micro_step
         self.weight_total = created.weight_total
         self.n = created.n
+        # Which variables have received a gradient in the current cycle: a
+        # variable (`Backend.create_state`), or on the host where the
+        # backend keeps the cycle's position there (see `mark_touched`).
+        self.touched = created.touched
+        self.host_touched: set[int] = set()
         # Where the backend keeps the cycle's position on the host
         # (`Backend.host_counters`): the micro-step counter's value, and the
         # wrapped optimizer's applied updates once a schedule needs them.
@@ -135,6 +140,24 @@ class State:
     def taking_part(self) -> list[int]:
         """Positions of the variables that take part, among those held."""
         return sorted(i for i in self.participants if i < len(self.accumulators))
+
+    def mark_touched(self, given: set[int], first: Any) -> None:
+        """Records which variables received a gradient in this micro-step:
+        they, and those of the cycle's earlier micro-steps, take part in its
+        update; a variable without any gradient in the cycle does not, as
+        in the large batch."""
+        backend = self._backend
+        if backend.host_counters:
+            self.host_touched = set(given) if first else self.host_touched | given
+        elif self.touched is not None:
+            mask = ops.convert_to_tensor([int(i in given) for i in range(len(self.accumulators))], dtype="int32")
+            before = backend.read(self.touched)
+            backend.assign(self.touched, ops.where(first, mask, ops.maximum(before, mask)))
+
+    def touched_in_cycle(self, index: int) -> Callable[[], Any]:
+        """A function returning whether variable `index` received a gradient
+        in the current cycle (a scalar boolean; read where it is called)."""
+        return lambda: ops.greater(self._backend.read(self.touched)[index], 0)
 
     def unmet(self) -> list[int]:
         """Taking part by a restore, but not met by this optimizer yet."""
@@ -252,12 +275,12 @@ class State:
         with self._backend.eagerly():
             return int(self._backend.saved(self.micro_step, False)) > 0
 
-    def unscale_restored(self) -> None:
-        """Divides out the scale a TensorFlow checkpoint written by an
-        earlier version held a partial cycle's sums at (once per restore)."""
+    def upgrade_restored(self) -> None:
+        """Brings a TensorFlow checkpoint written by an earlier version to
+        this format (once per restore, see `Checkpointed.upgrade`)."""
         if self.checkpoint is not None and self.checkpoint.restored:
             with self._backend.eagerly():
-                self.checkpoint.unscale(self)
+                self.checkpoint.upgrade(self)
 
     def view(self) -> AccumulationState:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it
@@ -279,7 +302,7 @@ class State:
         over them (see `gradaccum._core`). Between cycles this zeroes them,
         where a write lasts (eagerly); inside a trace nothing is done.
         """
-        self.unscale_restored()
+        self.upgrade_restored()
         if not self._backend.writable_now(self.micro_step) or self.begun():
             return
         backend = self._backend

@@ -37,7 +37,8 @@ def checkpoint_class() -> type:
         Python state that decides what a traced step updates, so it is
         written beside the variables, with the settings, which are checked.
         `scale` is 1: a checkpoint written before held the sums of a partial
-        cycle multiplied by it, which `unscale_restored` divides out.
+        cycle multiplied by it, which `upgrade` divides out; such a
+        checkpoint has no `touched` either, which `upgrade` fills in.
         """
 
         def __init__(self, state: State, core: Any):
@@ -46,6 +47,8 @@ def checkpoint_class() -> type:
             state.accumulators = self.accumulators  # the tracked list
             self.micro_step = state.micro_step
             self.weight_total = state.weight_total
+            if state.touched is not None:
+                self.touched = state.touched
             self.kept_values: dict[str, Any] = {}
             self.kept_indices: dict[str, Any] = {}
             for index, buffers in state.kept.items():
@@ -58,8 +61,10 @@ def checkpoint_class() -> type:
         def track_slices(self, index: int, buffers: tuple[Any, Any]) -> None:
             self.kept_values[str(index)], self.kept_indices[str(index)] = buffers
 
-        def unscale(self, state: State) -> None:
+        def upgrade(self, state: State) -> None:
+            """Brings a restored checkpoint of an earlier format to this one."""
             self.restored = False
+            self._touch_all_if_unrecorded(state)
             scale = float(self.scale.numpy())
             if scale == 1.0:
                 return
@@ -69,6 +74,18 @@ def checkpoint_class() -> type:
                 for copy in distribution.copies(variable):
                     copy.assign(copy.read_value() / tf.cast(scale, copy.dtype), read_value=False)
             self.scale.assign(1.0)
+
+        def _touch_all_if_unrecorded(self, state: State) -> None:
+            # A cycle under way records at least one variable as touched; a
+            # checkpoint written before this was recorded restores none, and
+            # then every variable taking part counts as touched, as it did.
+            if state.touched is None or int(distribution.copies(state.micro_step)[0].numpy()) == 0:
+                return
+            if np.any(distribution.copies(state.touched)[0].numpy()):
+                return
+            mask = np.array([int(i in state.participants) for i in range(len(state.accumulators))], np.int32)
+            for copy in distribution.copies(state.touched):
+                copy.assign(mask, read_value=False)
 
         def _serialize_to_tensors(self) -> dict[str, Any]:
             state = self._core.state

@@ -86,7 +86,7 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
     """The state as Keras files hold it. Between cycles the accumulators and
     the weight total hold the last cycle's values, which count for nothing:
     they are written as zeros."""
-    state.unscale_restored()
+    state.upgrade_restored()
     begun = state.begun()
     total = backend.saved(state.weight_total, False)
     names = "\0".join(relative_names(state.variables)).encode("utf-8")
@@ -96,6 +96,7 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
         f"{KEY}micro_step": np.asarray(backend.saved(state.micro_step, False), np.int64),
         f"{KEY}weight_total": total if begun else np.zeros_like(total),
         f"{KEY}seen": np.array([i in state.participants for i in range(len(state.accumulators))]),
+        f"{KEY}touched": _touched(state, backend),
         # Keras stores hold numbers only: UTF-8 bytes, separated by NUL.
         f"{KEY}names": np.frombuffer(names, dtype=np.uint8),
     }
@@ -107,6 +108,15 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
             values[f"{KEY}kept_values_{i}"] = backend.saved(kept_values, False)
             values[f"{KEY}kept_indices_{i}"] = backend.saved(kept_indices, False)
     return values
+
+
+def _touched(state: State, backend: Any) -> np.ndarray:
+    """Which variables received a gradient in the current cycle."""
+    if state.touched is not None:
+        return backend.saved(state.touched, False) > 0
+    if backend.host_counters:
+        return np.array([i in state.host_touched for i in range(len(state.accumulators))])
+    return np.array([i in state.participants for i in range(len(state.accumulators))])
 
 
 def _sources(values: dict[str, np.ndarray], state: State) -> list[int]:
@@ -187,6 +197,14 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
         state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
     elif micro_step > 0:  # written before participation was: read it off the sums
         state.participants = {i for i, j in enumerate(source) if np.any(values[f"{KEY}accumulator_{j}"])}
+    # Written before the cycle's participation was, every variable taking
+    # part counts as having received a gradient in the cycle.
+    touched = np.asarray(values.get(f"{KEY}touched", np.ones(len(source), bool)), dtype=bool)
+    touched = {i for i, j in enumerate(source) if j < len(touched) and touched[j]} & state.participants
+    state.host_touched = touched
+    if state.touched is not None:
+        mask = np.array([int(i in touched) for i in range(len(state.accumulators))], np.int32)
+        backend.load(state.touched, mask, True)
     # Written before weights existed, every micro-batch weighed 1.
     total = values.get(f"{KEY}weight_total", np.asarray(micro_step, np.float32))
     backend.load(state.weight_total, np.asarray(total, np.float32), False)

@@ -40,12 +40,22 @@ class TensorFlowBackend:
     def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
         accumulators = self.new_accumulators(family, variables)
         with distribution.creation_scope(family.strategy()):
+            touched = None
+            if self.masks_each(family):
+                touched = distribution.mirrored_counter(tf.ones([len(variables)], tf.int32), name="touched")
             return StateVariables(
                 accumulators=accumulators,
                 micro_step=distribution.mirrored_counter(0, name="micro_step"),
                 weight_total=distribution.replica_local(tf.constant(0.0), name="weight_total"),
                 n=None if n is None else distribution.mirrored_counter(n, name="n"),
+                touched=touched,
             )
+
+    def masks_each(self, family: Any) -> bool:
+        """Whether an update can leave some of its variables untouched at run
+        time: for families whose every write is a variable's write method
+        and whose per-variable update synchronises nothing (Keras 3)."""
+        return family.masks_writes and family.per_variable_update is not None
 
     def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
         with distribution.creation_scope(family.strategy()):
@@ -151,6 +161,7 @@ class TensorFlowBackend:
             lambda: update.apply(_read(update.accumulators)),
             masks_writes=family.masks_writes,
             per_variable=per_variable,
+            conditions=_conditions(update),
         )
 
     def _skipped(self, update: Update) -> None:
@@ -163,7 +174,18 @@ class TensorFlowBackend:
         def apply(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
             if divisor is not None:
                 values = [v / tf.cast(divisor, v.dtype) if d else v for v, d in zip(values, divided)]
-            update.apply(values)
+            if not update.conditions:
+                update.apply(values)
+                return
+            # Inside the branch the cycle ends: only the conditions remain.
+            # Read here, in this replica's own context.
+            conditions = _conditions(update)
+            family = update.family
+            model = [family.model_variable(update.taking_part[k]) for k in update.conditions]
+            with updates.masking_writes(model, tf.constant(True), conditions), updates.skipping_each(
+                family.optimizer, family.per_variable_update, tf.constant(True), conditions
+            ):
+                update.apply(values)
 
         inputs = [values] if update.divisor is None else [values, update.divisor]
         updates.skipped_update(update.ends, apply, *inputs)
@@ -238,6 +260,17 @@ class TensorFlowBackend:
 
     def clear_slices(self, buffers: Sequence[tuple[Any, Any]]) -> None:
         tensors.clear_slices(buffers)
+
+
+def _conditions(update: Update) -> dict[int, tf.Tensor]:
+    """The update's conditions by the id of each copy of their model variable."""
+    family = update.family
+    out = {}
+    for k, condition in update.conditions.items():
+        condition = condition() if callable(condition) else condition
+        for copy in distribution.copies(family.model_variable(update.taking_part[k])):
+            out[id(copy)] = condition
+    return out
 
 
 def _read(accumulators: Sequence[Any]) -> list[tf.Tensor]:

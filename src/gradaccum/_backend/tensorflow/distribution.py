@@ -92,10 +92,11 @@ def copies(variable: tf.Variable) -> list[tf.Variable]:
     return [variable]
 
 
-def mirrored_counter(initial: int, name: str, dtype: tf.DType = tf.int64) -> tf.Variable:
-    """A scalar every replica holds and advances identically."""
+def mirrored_counter(initial: Any, name: str, dtype: tf.DType = tf.int64) -> tf.Variable:
+    """A value (a scalar, or a tensor of its own dtype) every replica holds
+    and advances identically."""
     return tf.Variable(
-        tf.constant(initial, dtype=dtype),
+        initial if tf.is_tensor(initial) else tf.constant(initial, dtype=dtype),
         name=name,
         trainable=False,
         synchronization=tf.VariableSynchronization.ON_WRITE,
