@@ -239,17 +239,17 @@ class Core:
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
                 backend.max_into(accumulator, g, first)
-            elif backend.is_slices(g) and self.settings.sparse == "slices":
-                backend.append_slices(state.slice_buffers(i), g, weight)
+            elif backend.is_slices(g) and self.settings.sparse != "rows":
+                backend.keep_slices(state.kept_for(i, self.settings.sparse == "slices"), g, weight, first)
             elif backend.is_slices(g):
                 backend.scatter_into(accumulator, g, weight, first)
             else:
                 if state.keeps_slices(i):
                     raise ValueError(
-                        f"With sparse=\"slices\", variable {variable_name(state.variables[i])!r} "
-                        "received a dense gradient after tf.IndexedSlices: a variable's gradients "
-                        "must be of one kind (each traced step decides it). Use sparse=\"rows\" "
-                        "(the default), which adds both kinds into one accumulator."
+                        f"Variable {variable_name(state.variables[i])!r} received a dense gradient "
+                        "after tf.IndexedSlices that are kept as slices: a variable's gradients must "
+                        "be of one kind (each traced step decides it). Use sparse=\"rows\", which "
+                        "adds both kinds into one accumulator."
                     )
                 dense[0].append(accumulator)
                 dense[1].append(g)
@@ -261,6 +261,7 @@ class Core:
             # this one. Not only those of variables taking part when this step
             # was traced: another trace may have made more take part since.
             missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
+            missing += [c for i, kept in state.kept.items() if i not in given for c in backend.kept_counters(kept)]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
 
@@ -314,10 +315,12 @@ class Core:
         variables = [state.variables[i] for i in included]
         kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
 
-        def apply(values: list[Any]) -> None:
+        def apply(values: list[Any], divisor: Any = divisor) -> None:
+            # `divisor`: a skipped update's branch input on TensorFlow.
             grads = [ops.cast(v, w.dtype) for v, w in zip(values, variables)]
-            for k, buffers in kept.items():
-                grads[k] = backend.kept_slices(buffers, variables[k].shape, divisor)
+            for k, held in kept.items():
+                sliced = backend.kept_slices(held, divisor)
+                grads[k] = grads[k] if sliced is None else sliced
             deliver(self, grads, variables, self._options)
 
         accumulators = [state.accumulators[i] for i in included]
@@ -335,8 +338,6 @@ class Core:
             # A step traced before an accumulator was added cannot zero it on
             # a cycle's first micro-step; the end of a cycle does instead.
             backend.zero_if(ends, accumulators)
-        if kept:
-            backend.clear_slices_if(ends, list(kept.values()))
 
 
 def deliver(core: Core, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
