@@ -267,7 +267,8 @@ class MachineBase(RuleBasedStateMachine):
     def _subject(self):
         """(top-level optimizer, the Keras optimizer inside) for the config."""
         inner = self.spec.make()
-        kwargs = {"reduction": self.reduction, "mode": self.update}
+        # The model adds sparse gradients into rows (`_Model.add`).
+        kwargs = {"reduction": self.reduction, "mode": self.update, "sparse": "rows"}
         if self.wrap == "none":
             top = accumulate(inner, self.n, **kwargs)
         elif self.wrap == "accumulate_lso":

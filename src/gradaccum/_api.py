@@ -20,7 +20,7 @@ def accumulate(
     reduction: str = "mean",
     mode: str = "masked",
     weigh_by: str = "count",
-    sparse: str = "rows",
+    sparse: str = "auto",
     agc: float | None = None,
     agc_eps: float = 1e-3,
     agc_exclude: Callable[[Any], bool] | Sequence[Any] | None = None,
@@ -64,15 +64,24 @@ def accumulate(
             (see the README for several losses). `"batch"`: 1, every
             micro-batch alike (Keras's per-batch means, averaged). A
             `weight` passed to `apply_gradients` wins over either.
-        sparse: How `tf.IndexedSlices` gradients (an `Embedding`'s) are
-            accumulated. `"rows"` (default) adds them into a dense
-            accumulator, summing a row's repeated occurrences.
-            `"slices"` keeps the cycle's slices (values and indices) and
-            hands the optimizer one `tf.IndexedSlices` of all of them, as
-            the large batch would: exact also where rows repeat and the
-            optimizer is not linear in the gradient (Adam's second moment,
-            `global_clipnorm`), at the memory of the cycle's slices (see
-            the README). One device only; not under XLA.
+        sparse: How `tf.IndexedSlices` gradients (an `Embedding`'s, on
+            TensorFlow) are accumulated. Keras's TensorFlow optimizers take
+            such a gradient slice by slice (Adam's second moment and
+            `global_clipnorm` see each slice's square), so the large batch's
+            update depends on how its lookups form slices. `"auto"`
+            (default) keeps them as the large batch has them: the slices of
+            a lookup of the batch's ids (tokens) side by side, those of a
+            lookup that does not grow with the batch (positions,
+            `Embedding(T)(ops.arange(T))`) summed, one per index; in a
+            traced step it reads which is which off the graph, eagerly off
+            the cycle's index sets (with a warning). It holds no more than
+            the large batch's own gradient does, works under XLA and
+            distribution strategies, and warns, naming the variable, where
+            it cannot be exact (see the README). `"rows"` adds them into a
+            dense accumulator, summing a row's repeated slices: exact only
+            for updates linear in the gradient. `"slices"` keeps every
+            micro-step's slices, side by side. On JAX and PyTorch embedding
+            gradients are dense; `"auto"` and `"rows"` add them up.
         agc: Adaptive gradient clipping's factor λ (Brock et al. 2021), or
             None (default: off). Each update's gradient (the accumulated
             mean, once per cycle, summed over replicas and unscaled) is

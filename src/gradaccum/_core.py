@@ -245,17 +245,17 @@ class Core:
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
                 backend.max_into(accumulator, g, first)
-            elif backend.is_slices(g) and self.settings.sparse == "slices":
-                backend.append_slices(state.slice_buffers(i), g, weight)
+            elif backend.is_slices(g) and self.settings.sparse != "rows":
+                backend.keep_slices(state.kept_for(i, self.settings.sparse == "slices"), g, weight, first)
             elif backend.is_slices(g):
                 backend.scatter_into(accumulator, g, weight, first)
             else:
                 if state.keeps_slices(i):
                     raise ValueError(
-                        f"With sparse=\"slices\", variable {variable_name(state.variables[i])!r} "
-                        "received a dense gradient after tf.IndexedSlices: a variable's gradients "
-                        "must be of one kind (each traced step decides it). Use sparse=\"rows\" "
-                        "(the default), which adds both kinds into one accumulator."
+                        f"Variable {variable_name(state.variables[i])!r} received a dense gradient "
+                        "after tf.IndexedSlices that are kept as slices: a variable's gradients must "
+                        "be of one kind (each traced step decides it). Use sparse=\"rows\", which "
+                        "adds both kinds into one accumulator."
                     )
                 dense[0].append(accumulator)
                 dense[1].append(g)
@@ -267,6 +267,7 @@ class Core:
             # this one. Not only those of variables taking part when this step
             # was traced: another trace may have made more take part since.
             missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
+            missing += [c for i, kept in state.kept.items() if i not in given for c in backend.kept_counters(kept)]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
         state.mark_touched(given, first)

@@ -48,10 +48,12 @@ def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
     variables = [state.variables[i] for i in included]
     kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
 
-    def apply(values: list[Any]) -> None:
+    def apply(values: list[Any], divisor: Any = divisor) -> None:
+        # `divisor`: a skipped update's branch input on TensorFlow.
         grads = [ops.cast(v, w.dtype) for v, w in zip(values, variables)]
-        for k, buffers in kept.items():
-            grads[k] = backend.kept_slices(buffers, variables[k].shape, divisor)
+        for k, held in kept.items():
+            sliced = backend.kept_slices(held, divisor)
+            grads[k] = grads[k] if sliced is None else sliced
         deliver(core, grads, variables, core.options)
 
     accumulators = [state.accumulators[i] for i in included]
@@ -71,8 +73,6 @@ def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
         # A step traced before an accumulator was added cannot zero it on
         # a cycle's first micro-step; the end of a cycle does instead.
         backend.zero_if(ends, accumulators)
-    if kept:
-        backend.clear_slices_if(ends, list(kept.values()))
 
 
 def deliver(core: Any, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:

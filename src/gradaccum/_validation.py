@@ -8,7 +8,7 @@ from typing import Any
 REDUCTIONS = ("mean", "sum")
 MODES = ("masked", "skip")
 WEIGHINGS = ("count", "batch")
-SPARSE = ("rows", "slices")
+SPARSE = ("auto", "rows", "slices")
 
 
 def check_n(n: Any) -> int:
@@ -66,9 +66,11 @@ def check_sparse(sparse: Any) -> str:
         )
     if sparse not in SPARSE:
         raise ValueError(
-            f"`sparse` must be one of {SPARSE}: \"rows\" adds `tf.IndexedSlices` "
-            "gradients into their rows, \"slices\" keeps the cycle's slices "
-            f"as the large batch has them. Received: sparse={sparse!r}."
+            f"`sparse` must be one of {SPARSE}: \"auto\" keeps `tf.IndexedSlices` "
+            "gradients as the large batch has them (slices of lookups of the "
+            "batch's ids side by side, those of lookups that do not grow with "
+            "the batch summed), \"rows\" adds them into their rows, \"slices\" "
+            f"keeps every micro-step's slices. Received: sparse={sparse!r}."
         )
     return sparse
 

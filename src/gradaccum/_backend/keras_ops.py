@@ -121,11 +121,13 @@ class KerasOpsBackend:
         return own
 
     def check_settings(self, settings: Any) -> None:
-        if settings.sparse != "rows":
+        # Embedding gradients are dense here: "auto" adds them into rows,
+        # which is what the large batch does.
+        if settings.sparse == "slices":
             raise ValueError(
                 f"sparse={settings.sparse!r} keeps `tf.IndexedSlices`, which only the "
                 f"TensorFlow backend has; the active Keras backend is "
-                f"{keras.config.backend()!r}. Use sparse=\"rows\" (the default)."
+                f"{keras.config.backend()!r}. Use sparse=\"auto\" (the default) or \"rows\"."
             )
 
     def check_build(self, family: Any, sparse: str) -> None:
