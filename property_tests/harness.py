@@ -31,7 +31,8 @@ import dataclasses
 import os
 import re
 import tempfile
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -442,7 +443,7 @@ def assert_states_close(reference: dict, subject: dict, rtol: float = RTOL,
                                    err_msg=key)
 
 
-def assert_matches_large_batch(case: "Case", reference: dict, subject: dict) -> None:
+def assert_matches_large_batch(case: Case, reference: dict, subject: dict) -> None:
     """`subject` equals the large-batch `reference` to float32 rounding.
 
     Within `RTOL`/`ATOL`; only if that fails is the summed plain run made

@@ -125,18 +125,23 @@ class _Model:
     """What the accumulating optimizer should hold, in plain Python."""
 
     def __init__(self, n: int, reduction: str, scale: float | None, growth: int,
-                 min_scale: float = 0.0):
+                 min_scale: float = 0.0, leaves_absent_alone: bool = True):
         self.n, self.reduction = n, reduction  # n: an int or a schedule table
+        # Whether a variable without a gradient in a whole cycle is left out
+        # of its update, as in the large batch (else it takes part with zeros).
+        self.leaves_absent_alone = leaves_absent_alone
         self.min_scale = min_scale
         self.sums = [np.zeros(shape, np.float32) for _, shape in VARIABLES]
         self.total = np.float32(0.0)  # sum of the cycle's micro-batch weights
         self.count = 0  # micro-batches in the current cycle
         self.applied = 0  # the optimizer's `iterations`
         self.seen: set[int] = set()
+        self.in_cycle: set[int] = set()  # variables with a gradient in this cycle
         self.scale, self.growth, self.good_steps = scale, growth, 0
 
-    def copy(self) -> "_Model":
-        other = _Model(self.n, self.reduction, self.scale, self.growth, self.min_scale)
+    def copy(self) -> _Model:
+        other = _Model(self.n, self.reduction, self.scale, self.growth, self.min_scale, self.leaves_absent_alone)
+        other.in_cycle = set(self.in_cycle)
         other.sums = [s.copy() for s in self.sums]
         other.total, other.count, other.applied = self.total, self.count, self.applied
         other.seen = set(self.seen)
@@ -165,12 +170,13 @@ class _Model:
             else:
                 self.sums[i] += values
             self.seen.add(i)
+            self.in_cycle.add(i)
         self.total = np.float32(self.total + (np.float32(1.0) if w is None else w))
         self.count += 1
 
     def update(self) -> tuple[list[int], list[np.ndarray]]:
         """The gradients the cycle applies: sum, or sum / total weight."""
-        included = sorted(self.seen)
+        included = sorted(self.in_cycle if self.leaves_absent_alone else self.seen)
         if self.reduction == "sum":
             grads = [self.sums[i] for i in included]
         else:
@@ -181,6 +187,7 @@ class _Model:
     def clear(self) -> None:
         self.sums = [np.zeros_like(s) for s in self.sums]
         self.total, self.count = np.float32(0.0), 0
+        self.in_cycle = set()
         self.applied += 1
 
     def finite_loss_scale_step(self) -> None:
@@ -205,6 +212,9 @@ class MachineBase(RuleBasedStateMachine):
     checkpoints = Bundle("checkpoints")
     # The family's loss-scale optimizer, and the smallest scale it halves to.
     LSO: Any = None
+    # Whether the family leaves a variable without a gradient in a whole
+    # cycle out of the update (Keras 3's; tf_keras's take part with zeros).
+    LEAVES_ABSENT_ALONE = True
     MIN_SCALE = 0.0
     # Wrappings in which a dropped micro-batch still adds 1 to `iterations`.
     DROPPED_BUMPS_ITERATIONS: tuple[str, ...] = ()
@@ -257,7 +267,8 @@ class MachineBase(RuleBasedStateMachine):
     def _subject(self):
         """(top-level optimizer, the Keras optimizer inside) for the config."""
         inner = self.spec.make()
-        kwargs = {"reduction": self.reduction, "mode": self.update}
+        # The model adds sparse gradients into rows (`_Model.add`).
+        kwargs = {"reduction": self.reduction, "mode": self.update, "sparse": "rows"}
         if self.wrap == "none":
             top = accumulate(inner, self.n, **kwargs)
         elif self.wrap == "accumulate_lso":
@@ -288,7 +299,7 @@ class MachineBase(RuleBasedStateMachine):
             self.shadow = self._make_lso(self.shadow, 1.0, 2**30)
         self._build(self.shadow, self.shadow_vars)
         scale = None if wrap == "none" else self.initial_scale
-        self.model = _Model(n, reduction, scale, growth, self.MIN_SCALE)
+        self.model = _Model(n, reduction, scale, growth, self.MIN_SCALE, self.LEAVES_ABSENT_ALONE)
         self.read_fn = None
 
     # ------------------------------------------------------------------
@@ -344,7 +355,7 @@ class MachineBase(RuleBasedStateMachine):
     def _apply(self, grads, poison: bool, weight: float | None = None) -> None:
         model = self.model
         to_tf = []
-        for (name, shape), g in zip(VARIABLES, grads):
+        for (_name, shape), g in zip(VARIABLES, grads):
             if g is None:
                 to_tf.append(None)
                 continue
@@ -486,14 +497,17 @@ class MachineBase(RuleBasedStateMachine):
         model = self.model
         assert int(self.acc_opt.micro_step) == model.count
         assert int(self.opt.iterations) == model.applied
+        # NaN where the shadow has NaN too (an optimizer drawn with a learning
+        # rate that decays to 0 and `learning_rate_power=0`, Ftrl's, divides by
+        # zero in both): the same bits.
         for v, s in zip(self.vars, self.shadow_vars):
-            assert np.array_equal(v.numpy(), s.numpy()), v.name
+            assert np.array_equal(v.numpy(), s.numpy(), equal_nan=True), v.name
         mine = self._optimizer_state(self.opt)
         theirs = self._optimizer_state(self.shadow)
         assert sorted(mine) == sorted(theirs)
         for key in mine:
             if key not in self.LOSS_SCALE_KEYS:
-                assert np.array_equal(mine[key], theirs[key]), key
+                assert np.array_equal(mine[key], theirs[key], equal_nan=True), key
         state = self.acc_opt.accumulation_state
         if state is None:  # built on its first micro-step (OptimizerV2)
             assert not any(np.any(s) for s in model.sums)

@@ -191,10 +191,13 @@ def tf_keras_optimizers() -> st.SearchStrategy[OptimizerSpec]:
     )
 
 
+_N = st.integers(2, 4)
+
+
 @st.composite
 def cases(
     draw: st.DrawFn,
-    n: st.SearchStrategy[int] = st.integers(2, 4),
+    n: st.SearchStrategy[int] = _N,
     modes: tuple[str, ...] = ("eager", "eager", "tf_function", "jit"),
     reductions: tuple[str, ...] = ("mean", "sum"),
     optimizer: st.SearchStrategy[OptimizerSpec] | None = None,

@@ -11,7 +11,6 @@ with or without a (float32) LossScaleOptimizer, in either wrapping order.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import tensorflow as tf
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
@@ -22,9 +21,9 @@ from property_tests.harness import (
     Case,
     ModelSpec,
     OptimizerSpec,
+    accumulating,
     assert_finite,
     assert_matches_large_batch,
-    accumulating,
     assert_states_equal,
     run_plain_micro,
     run_reference,

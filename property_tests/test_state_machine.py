@@ -14,8 +14,8 @@ from hypothesis import settings
 
 from property_tests.harness import (
     OptimizerSpec,
-    optimizer_variables,
     optimizer_state,
+    optimizer_variables,
     scaled,
 )
 from property_tests.machine import MachineBase, start_rule
@@ -86,6 +86,7 @@ def test_restored_mid_cycle_a_variable_without_gradient_still_applies():
 
 def test_restored_a_variable_seen_in_an_earlier_cycle_still_takes_part():
     """After a restore, `bias` (seen in the first cycle, no gradient in the
-    second) must still get its zero gradient, as without the restore."""
+    second) is left out of the second cycle's update, as without the
+    restore and as in the large batch."""
     _replay([("dense", "dense", "dense")] * 2
             + ["save", "restore"] + [("dense", "none", "dense")] * 2)

@@ -7,7 +7,8 @@ and `my_clip` in the NFNets repository), independently of
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

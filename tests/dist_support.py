@@ -10,7 +10,8 @@ nothing on any replica.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np

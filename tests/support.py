@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np

@@ -24,7 +24,6 @@ from tests.agc_reference import np_agc, np_unit_norm, train_clipped
 from tests.support import (
     ATOL,
     MODES,
-    RTOL,
     assert_states_close,
     assert_states_equal,
     dtype_policy,

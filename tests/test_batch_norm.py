@@ -318,9 +318,8 @@ def test_accumulating_can_create_this_layer_for_third_party_code():
     assert type(keras.layers.BatchNormalization()) is keras.layers.BatchNormalization
     with gradaccum.accumulating(n=N):
         assert type(keras.layers.BatchNormalization()) is keras.layers.BatchNormalization
-    with pytest.raises(TypeError, match="batch_normalization"):
-        with gradaccum.accumulating(n=N, batch_normalization=1):
-            pass
+    with pytest.raises(TypeError, match="batch_normalization"), gradaccum.accumulating(n=N, batch_normalization=1):
+        pass
 
 
 def test_masked_inputs_pool_the_valid_entries():

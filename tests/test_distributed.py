@@ -26,9 +26,9 @@ from tests.dist_support import (
 )
 from tests.support import (
     MODES,
-    dtype_policy,
     assert_states_close,
     assert_states_equal,
+    dtype_policy,
     fit,
     full_state,
     make_data,

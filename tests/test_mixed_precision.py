@@ -9,8 +9,8 @@ import tensorflow as tf
 from gradaccum import AccumulatingOptimizer, accumulate
 from tests.support import (
     MODES,
-    dtype_policy,
     assert_states_close,
+    dtype_policy,
     fit,
     full_state,
     make_data,

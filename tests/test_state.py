@@ -212,7 +212,10 @@ def test_checkpoint_of_the_earlier_format_resumes(uninterrupted_scaled):
     divisor, 1/4; restored now, the cycle goes on with the plain sums."""
     path = os.path.join(os.path.dirname(__file__), "data", "scaled_sums", "ckpt")
     model, opt = _fresh(n=N_SCALED)
-    tf.train.Checkpoint(model=model, optimizer=opt).read(path).assert_consumed()
+    # `expect_partial`: the file predates the record of which variables the
+    # cycle has touched; without it every variable taking part counts as
+    # touched, which the comparison below checks.
+    tf.train.Checkpoint(model=model, optimizer=opt).read(path).expect_partial()
     assert int(opt.micro_step) == 2
     _run(model, opt, range(6, STEPS), False)
     assert_states_close(uninterrupted_scaled["masked", False], full_state(model, opt))

@@ -6,7 +6,6 @@ import keras
 import numpy as np
 import pytest
 
-import gradaccum
 from gradaccum import AccumulatingOptimizer, accumulate, accumulating
 from tests import third_party_trainer
 from tests.support import MODES, assert_states_close, dtype_policy, full_state, make_data
@@ -175,22 +174,19 @@ def test_block_follows_a_loss_that_sums(compiled):
 
 def test_block_reduction_given_is_kept_and_a_mismatch_warns():
     model = third_party_trainer.build()
-    with accumulating(n=N, reduction="mean"):
-        with pytest.warns(UserWarning, match="reduction='mean'.*reduced by 'sum'"):
-            model.compile(optimizer="sgd", loss=_sum_mse())
+    with accumulating(n=N, reduction="mean"), pytest.warns(UserWarning, match="reduction='mean'.*reduced by 'sum'"):
+        model.compile(optimizer="sgd", loss=_sum_mse())
     assert model.optimizer.reduction == "mean"
     model = third_party_trainer.build()
-    with accumulating(n=N):
-        with pytest.warns(UserWarning, match="optimizer has reduction='mean'.*'sum'"):
-            model.compile(optimizer=accumulate(keras.optimizers.SGD(), N), loss=_sum_mse())
+    with accumulating(n=N), pytest.warns(UserWarning, match="optimizer has reduction='mean'.*'sum'"):
+        model.compile(optimizer=accumulate(keras.optimizers.SGD(), N), loss=_sum_mse())
 
 
 def test_block_warns_for_summed_and_averaged_losses_together():
     inputs = keras.Input((5,))
     model = keras.Model(inputs, [keras.layers.Dense(1)(inputs), keras.layers.Dense(1)(inputs)])
-    with accumulating(n=N):
-        with pytest.warns(UserWarning, match="no single `reduction`"):
-            model.compile(optimizer="sgd", loss=[_sum_mse(), "mse"])
+    with accumulating(n=N), pytest.warns(UserWarning, match="no single `reduction`"):
+        model.compile(optimizer="sgd", loss=[_sum_mse(), "mse"])
     assert model.optimizer.reduction == "mean"
 
 
@@ -217,15 +213,12 @@ def test_block_applies_to_its_own_thread_only():
 
 
 def test_bad_block_arguments():
-    with pytest.raises(ValueError, match="`n`"):
-        with accumulating(n=0):
-            pass
-    with pytest.raises(ValueError, match="`reduction`"):
-        with accumulating(n=2, reduction="max"):
-            pass
-    with pytest.raises(ValueError, match="`mode`"):
-        with accumulating(n=2, mode="fast"):
-            pass
+    with pytest.raises(ValueError, match="`n`"), accumulating(n=0):
+        pass
+    with pytest.raises(ValueError, match="`reduction`"), accumulating(n=2, reduction="max"):
+        pass
+    with pytest.raises(ValueError, match="`mode`"), accumulating(n=2, mode="fast"):
+        pass
 
 
 # ----------------------------------------------------------------------

@@ -22,7 +22,6 @@ from property_tests.strategies import tf_keras_optimizers
 from tests.tf_keras.support import fit, full_state, make_data, make_mlp, mse_grads
 
 
-
 def _summed(spec, x, y, n: int, micro_batch: int) -> dict:
     """The plain optimizer, applied eagerly to the float32 mean of the
     micro-batch gradients of each large batch (no gradaccum involved)."""

@@ -28,6 +28,7 @@ from tests.tf_keras.support import optimizer_state, optimizer_variables
 class TfKerasAccumulationMachine(MachineBase):
     LSO = tf_keras.mixed_precision.LossScaleOptimizer
     MIN_SCALE = 1.0
+    LEAVES_ABSENT_ALONE = False
     DROPPED_BUMPS_ITERATIONS = ("lso_accumulate",)
 
     start = start_rule(tf_keras_optimizers())

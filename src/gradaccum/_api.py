@@ -8,6 +8,7 @@ from typing import Any
 
 import keras
 
+from gradaccum import _patches
 from gradaccum._proxy import AccumulatingOptimizer
 from gradaccum._settings import Settings
 
@@ -19,11 +20,11 @@ def accumulate(
     reduction: str = "mean",
     mode: str = "masked",
     weigh_by: str = "count",
-    sparse: str = "rows",
+    sparse: str = "auto",
     agc: float | None = None,
     agc_eps: float = 1e-3,
     agc_exclude: Callable[[Any], bool] | Sequence[Any] | None = None,
-) -> AccumulatingOptimizer | Callable[[Callable[..., Any]], Callable[..., Any]]:
+) -> AccumulatingOptimizer | Decorator:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
     Training on micro-batches of size `B` with the result gives the weights,
@@ -69,16 +70,24 @@ def accumulate(
             (several losses: `docs/guides/loss-counts.md`). `"batch"`: 1, every
             micro-batch alike (Keras's per-batch means, averaged). A
             `weight` passed to `apply_gradients` wins over either.
-        sparse: How `tf.IndexedSlices` gradients (an `Embedding`'s) are
-            accumulated. `"rows"` (default) adds them into a dense
-            accumulator, summing a row's repeated occurrences.
-            `"slices"` keeps the cycle's slices (values and indices) and
-            hands the optimizer one `tf.IndexedSlices` of all of them, as
-            the large batch would: exact also where rows repeat and the
-            optimizer is not linear in the gradient (Adam's second moment,
-            `global_clipnorm`), at the memory of the cycle's slices (see
-            `docs/guides/sparse.md`). TensorFlow only; one device; not
-            under XLA.
+        sparse: How `tf.IndexedSlices` gradients (an `Embedding`'s, on
+            TensorFlow) are accumulated. Keras's TensorFlow optimizers take
+            such a gradient slice by slice (Adam's second moment and
+            `global_clipnorm` see each slice's square), so the large batch's
+            update depends on how its lookups form slices. `"auto"`
+            (default) keeps them as the large batch has them: the slices of
+            a lookup of the batch's ids (tokens) side by side, those of a
+            lookup that does not grow with the batch (positions,
+            `Embedding(T)(ops.arange(T))`) summed, one per index; in a
+            traced step it reads which is which off the graph, eagerly off
+            the cycle's index sets (with a warning). It holds no more than
+            the large batch's own gradient does, works under XLA and
+            distribution strategies, and warns, naming the variable, where
+            it cannot be exact (see `docs/guides/sparse.md`). `"rows"` adds them into a
+            dense accumulator, summing a row's repeated slices: exact only
+            for updates linear in the gradient. `"slices"` keeps every
+            micro-step's slices, side by side. On JAX and PyTorch embedding
+            gradients are dense; `"auto"` and `"rows"` add them up.
         agc: Adaptive gradient clipping's factor λ (Brock et al. 2021), or
             None (default: off). Each update's gradient (the accumulated
             mean, once per cycle, summed over replicas and unscaled) is
@@ -116,15 +125,35 @@ def accumulate(
     if n is None:
         raise TypeError("accumulate() requires `n`, the number of micro-batches per update.")
     settings = Settings(**given)
+    _patches.install()
     if optimizer is not None:
         return AccumulatingOptimizer._create(optimizer, settings)
+    return Decorator(settings)
 
-    def decorator(factory: Callable[..., Any]) -> Callable[..., Any]:
+
+class Decorator:
+    """What `accumulate(n=...)` returns without an optimizer: it decorates an
+    optimizer class or factory, whose every result accumulates.
+
+    Args:
+        settings: The accumulation's settings.
+    """
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    def __call__(self, factory: Callable[..., Any]) -> Callable[..., Any]:
+        """Wraps `factory` (an optimizer class or function).
+
+        Raises:
+            TypeError: If `factory` is not callable.
+        """
         if not callable(factory):
             raise TypeError(
                 "accumulate(n=...) decorates an optimizer class or factory "
                 f"function. Received: {factory!r} of type {type(factory).__name__}."
             )
+        settings = self.settings
 
         @functools.wraps(factory, updated=())
         def make(*args: Any, **kwargs: Any) -> AccumulatingOptimizer:
@@ -132,4 +161,25 @@ def accumulate(
 
         return make
 
-    return decorator
+    def __repr__(self) -> str:
+        return f"<gradaccum.accumulate(n={self.settings.n!r}) decorator>"
+
+
+def optimizer_get(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `keras.optimizers.get` (what `compile` resolves its
+    `optimizer` with), refusing the decorator `accumulate(n=...)` returns
+    with an error that says what to pass instead.
+
+    Raises:
+        TypeError: For such a decorator.
+    """
+    identifier = args[0] if args else kwargs.get("identifier")
+    if isinstance(identifier, Decorator):
+        n = identifier.settings.n
+        raise TypeError(
+            f"`optimizer` is accumulate(n={n!r}) without an optimizer: that is a decorator for an "
+            "optimizer class. Pass the optimizer to wrap, "
+            f"accumulate(keras.optimizers.Adam(1e-3), n={n!r}), or decorate a class and create "
+            f"one: accumulate(n={n!r})(keras.optimizers.Adam)(1e-3)."
+        )
+    return wrapped(*args, **kwargs)

@@ -16,11 +16,12 @@
    (float8 scales) keeps the cycle's elementwise maximum instead, as
    Keras's own `gradient_accumulation_steps` does, and the apply step
    writes it undivided;
-5. hands the backend the cycle's update (`Backend.finish`), which takes
-   effect only if this micro-step ends the cycle; the update's gradients
-   reach the wrapped optimizer through `deliver`, which clips them as one
-   device training on the large batch would (AGC, then, under several
-   replicas, the optimizer's own clipping of the replica sum);
+5. hands the backend the cycle's update (`gradaccum._cycle_end`), which
+   takes effect only if this micro-step ends the cycle and involves only
+   the variables that received a gradient in the cycle; its gradients reach
+   the wrapped optimizer clipped as one device training on the large batch
+   would clip them (AGC, then, under several replicas, the optimizer's own
+   clipping of the replica sum);
 6. advances the micro-step counter, or resets it on the apply step.
 
 The backend hooks (`gradaccum._backend`) say how each of those runs on
@@ -36,11 +37,12 @@ from typing import Any
 from keras import ops
 
 from gradaccum import _agc
-from gradaccum._backend import Backend, Update
+from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
+from gradaccum._cycle_end import deliver, end_cycle
 from gradaccum._settings import Settings
 from gradaccum._state import State, variable_name
-from gradaccum._validation import check_step_arguments
+from gradaccum._validation import check_gradient_shapes, check_step_arguments
 from gradaccum._view import AccumulationState
 from gradaccum._weights import Weights
 
@@ -70,11 +72,13 @@ class Core:
         self.state: State | None = None
         self._on_built = on_built
         self.weights = Weights(backend, settings.weigh_by)
+        # Whether some variables' lack of gradients was warned about.
+        self.warned_untouched = False
         # Whether any micro-batch was weighted (decided while tracing).
         self.weighted = False
         # Extra `apply_gradients` arguments of the latest micro-step, for the
         # update its cycle ends with (also when `flush()` ends it).
-        self._options: Mapping[str, Any] = {}
+        self.options: Mapping[str, Any] = {}
         # What waits for the state to exist (`when_built`).
         self._after_build: list[Callable[[], None]] = []
         # Objects whose own partial cycle `flush()` ends too (`follow`), by id.
@@ -162,15 +166,16 @@ class Core:
         Raises:
             ValueError: See `AccumulatingOptimizer.apply`.
         """
-        self._options = options
+        self.options = options
         weight, count = self.weights.take(weight)
         grads, variables = check_step_arguments(grads, variables, self.state.variables if self.built else None)
         if not grads:
             return
+        check_gradient_shapes(grads, variables)
         if not self.built:
             self.build(variables)
         state = self.state
-        state.unscale_restored()
+        state.upgrade_restored()
         indices = state.indices_of(variables)
         if all(g is None for g in grads):
             raise ValueError("No gradients provided for any variable (every gradient is None).")
@@ -194,8 +199,8 @@ class Core:
         weight = count if weight is None else weight
         first, steps, ends = self._position()
         state.check_unmet(ends)
-        self._add(grads, indices, weight, first)
-        self._finish_if(ends, steps)
+        given = self._add(grads, indices, weight, first)
+        self._finish_if(ends, steps, given)
 
     def _position(self) -> tuple[Any, Any, Any]:
         """`(first, steps, ends)`: whether this micro-step is its cycle's
@@ -223,7 +228,8 @@ class Core:
         if self.cycle.schedule is not None:
             state.host_applied = int(ops.convert_to_numpy(self.family.iterations))
 
-    def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> None:
+    def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> set[int]:
+        """Adds one micro-step's gradients; returns the positions given one."""
         backend, state = self.backend, self.state
         if weight is not None:
             self.weighted = True
@@ -239,17 +245,17 @@ class Core:
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
                 backend.max_into(accumulator, g, first)
-            elif backend.is_slices(g) and self.settings.sparse == "slices":
-                backend.append_slices(state.slice_buffers(i), g, weight)
+            elif backend.is_slices(g) and self.settings.sparse != "rows":
+                backend.keep_slices(state.kept_for(i, self.settings.sparse == "slices"), g, weight, first)
             elif backend.is_slices(g):
                 backend.scatter_into(accumulator, g, weight, first)
             else:
                 if state.keeps_slices(i):
                     raise ValueError(
-                        f"With sparse=\"slices\", variable {variable_name(state.variables[i])!r} "
-                        "received a dense gradient after tf.IndexedSlices: a variable's gradients "
-                        "must be of one kind (each traced step decides it). Use sparse=\"rows\" "
-                        "(the default), which adds both kinds into one accumulator."
+                        f"Variable {variable_name(state.variables[i])!r} received a dense gradient "
+                        "after tf.IndexedSlices that are kept as slices: a variable's gradients must "
+                        "be of one kind (each traced step decides it). Use sparse=\"rows\", which "
+                        "adds both kinds into one accumulator."
                     )
                 dense[0].append(accumulator)
                 dense[1].append(g)
@@ -261,8 +267,11 @@ class Core:
             # this one. Not only those of variables taking part when this step
             # was traced: another trace may have made more take part since.
             missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
+            missing += [c for i, kept in state.kept.items() if i not in given for c in backend.kept_counters(kept)]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
+        state.mark_touched(given, first)
+        return given
 
     def flush(self) -> None:
         """Applies what the current cycle holds now, if anything: the
@@ -272,7 +281,7 @@ class Core:
         state = self.state
         if state is None or not state.participants:
             return
-        state.unscale_restored()
+        state.upgrade_restored()
         self.backend.on_each_replica(self.family, self._flush_here)
 
     def _flush_here(self) -> None:
@@ -286,17 +295,18 @@ class Core:
                 return  # an empty cycle
             ends = ops.greater(steps, 0)
         self.state.check_unmet(ends)
-        self._finish_if(ends, steps)
+        self._finish_if(ends, steps, None)
 
     # ------------------------------------------------------------------
     # The end of a cycle.
 
-    def _finish_if(self, ends: Any, steps: Any) -> None:
+    def _finish_if(self, ends: Any, steps: Any, given: set[int] | None) -> None:
         """Runs the cycle's update, kept only if `ends`; then resets the
-        micro-step counter (if `ends`) or sets it to `steps`."""
+        micro-step counter (if `ends`) or sets it to `steps`. `given`: the
+        positions this micro-step gave a gradient (None for `flush`)."""
         backend, state = self.backend, self.state
         if ends is not False:  # False: an in-between micro-step known on the host
-            self._update_if(ends)
+            end_cycle(self, ends, given)
         if backend.host_counters:
             state.host_micro_step = 0 if ends else steps
             if ends and state.host_applied is not None:
@@ -304,81 +314,3 @@ class Core:
             backend.set_counter(state.micro_step, state.host_micro_step)
         else:
             backend.assign(state.micro_step, ops.where(ends, ops.zeros_like(steps), steps))
-
-    def _update_if(self, ends: Any) -> None:
-        """Hands the backend the cycle's update, to take effect if `ends`."""
-        backend, state = self.backend, self.state
-        included = state.taking_part()
-        state.check_left_out(ends)
-        divisor = _divisor(self)
-        variables = [state.variables[i] for i in included]
-        kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
-
-        def apply(values: list[Any]) -> None:
-            grads = [ops.cast(v, w.dtype) for v, w in zip(values, variables)]
-            for k, buffers in kept.items():
-                grads[k] = backend.kept_slices(buffers, variables[k].shape, divisor)
-            deliver(self, grads, variables, self._options)
-
-        accumulators = [state.accumulators[i] for i in included]
-        update = Update(
-            ends=ends,
-            accumulators=accumulators,
-            divided=[not state.keeps_maximum(i) for i in included],
-            divisor=divisor,
-            apply=apply,
-            family=self.family,
-            variables=state.variables,
-        )
-        backend.finish(update, self.settings.mode)
-        if self.family.grows:
-            # A step traced before an accumulator was added cannot zero it on
-            # a cycle's first micro-step; the end of a cycle does instead.
-            backend.zero_if(ends, accumulators)
-        if kept:
-            backend.clear_slices_if(ends, list(kept.values()))
-
-
-def deliver(core: Core, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
-    """Hands a whole update's gradients to the wrapped optimizer.
-
-    Clips them first as one device training on the large batch would: AGC
-    (if set) on the gradient summed over replicas and unscaled, then, under
-    several replicas where the optimizer would clip each replica's share,
-    its own clipping of that sum. Used for the accumulated mean, and with
-    `n=1` for the gradients as they come.
-    """
-    grads = list(grads)
-    family, agc, backend = core.family, core.agc, core.backend
-    replicas = backend.replicas()
-    clip = family.replica_clip() if replicas > 1 else None
-    if agc is not None or clip is not None:
-        scale = family.gradient_scale()
-
-        def clip_sum(summed: list[Any]) -> list[Any]:
-            if agc is not None:
-                summed = agc.clip(summed, variables, scale)
-            return summed if clip is None else clip(summed)
-
-        grads = backend.clip_as_one_device(grads, clip_sum) if replicas > 1 else clip_sum(grads)
-    family.apply(grads, variables, options)
-
-
-def _divisor(core: Core) -> Any:
-    """The mean's divisor, the weight total (None for `"sum"`).
-
-    Unweighted, each replica divides its sum by its own micro-batch count
-    and the wrapped optimizer's all-reduce adds the replicas' shares, as
-    in plain training. Weighted, the divisor is the weight total over all
-    replicas (one scalar all-reduce) divided by the replica count, since
-    Keras already scales every replica's loss by 1 / replicas. Read
-    outside any branch: the all-reduce must not run inside one.
-    """
-    if core.settings.reduction == "sum":
-        return None
-    total = core.backend.read(core.state.weight_total)
-    replicas = core.backend.replicas()
-    if core.weighted and replicas > 1:
-        total = core.backend.sum_over_replicas(total) / float(replicas)
-    # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
-    return ops.where(total > 0, total, ops.ones_like(total))

@@ -179,3 +179,27 @@ def load_when_built(wrapped: Callable[..., Any], instance: Any, args: tuple, kwa
     values = read_store(args[0] if args else kwargs["store"])
     inner._self_core.when_built(lambda: wrapped(values))
     return None
+
+
+def weighted(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `LossScaleOptimizer.apply_gradients` and `apply`, taking the
+    micro-batch's `weight=` when the loss-scale optimizer wraps an
+    accumulating one (as `compile` wraps it under `mixed_float16`): the
+    weight goes to the accumulating optimizer's next micro-step, as
+    `AccumulatingOptimizer.apply_gradients(..., weight=w)` hands it.
+
+    Raises:
+        TypeError: For `weight=` where the inner optimizer does not accumulate.
+    """
+    if "weight" not in kwargs:
+        return wrapped(*args, **kwargs)
+    kwargs = dict(kwargs)
+    weight = kwargs.pop("weight")
+    core = _families.core_in(getattr(instance, "inner_optimizer", None))
+    if core is None:
+        raise TypeError(
+            f"{wrapped.__name__}() got an unexpected keyword argument 'weight': a loss-scale "
+            "optimizer takes `weight=` only around an accumulating optimizer (gradaccum.accumulate)."
+        )
+    with core.weights.weighing(weight):
+        return wrapped(*args, **kwargs)

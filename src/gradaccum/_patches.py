@@ -4,14 +4,18 @@ Importing gradaccum changes nothing. The table below lists every patch; each
 is installed on first use, with wrapt's helpers (`resolve_path`,
 `apply_patch`, `FunctionWrapper`), and undone the same way (`Patch.remove`):
 
-- `ACCUMULATE`, when the first accumulating optimizer is made (a proxy's
-  constructor, `from_config`, a copy or a pickle): Keras's
-  `Trainer.compute_loss`, to hand each micro-batch's loss count to its
-  optimizer (`gradaccum._loss_counts`); `LossScaleOptimizer.
-  load_own_variables`, so that one around an accumulating optimizer keeps a
-  file loaded before its build (`gradaccum._loss_scale`); and
-  `serialize_keras_object` in every Keras module that binds it, so that an
-  accumulating optimizer is written as itself (`gradaccum._persistence`).
+- `ACCUMULATE`, on the first call of `accumulate()` or when the first
+  accumulating optimizer is made (a proxy's constructor, `from_config`, a
+  copy or a pickle): Keras's `Trainer.compute_loss`, to hand each
+  micro-batch's loss count to its optimizer (`gradaccum._loss_counts`);
+  `LossScaleOptimizer.load_own_variables`, so that one around an
+  accumulating optimizer keeps a file loaded before its build, and its
+  `apply_gradients` and `apply`, which then take the micro-batch's `weight=`
+  (`gradaccum._loss_scale`); `keras.optimizers.get`, which refuses
+  `accumulate(n=...)` given where an optimizer belongs with gradaccum's own
+  error (`gradaccum._api`); and `serialize_keras_object` in every Keras
+  module that binds it, so that an accumulating optimizer is written as
+  itself (`gradaccum._persistence`).
 - `LAYERS`, when `gradaccum.layers` is imported: Keras's `Trainer.compile`
   and `TensorFlowTrainer.make_train_function`, so that a model's
   `gradaccum.layers.BatchNormalization` layers follow its optimizer's
@@ -68,6 +72,10 @@ ACCUMULATE = (
     Spec("keras.src.trainers.trainer:Trainer", "compute_loss", "gradaccum._loss_counts:compute_loss"),
     Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "load_own_variables",
          "gradaccum._loss_scale:load_when_built"),
+    Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "apply_gradients",
+         "gradaccum._loss_scale:weighted"),
+    Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "apply", "gradaccum._loss_scale:weighted"),
+    Spec("keras.src.optimizers:", "get", "gradaccum._api:optimizer_get"),
     Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving.saving_lib:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving:", "serialize_keras_object", "gradaccum._persistence:serialize"),

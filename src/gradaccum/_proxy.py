@@ -103,6 +103,11 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
     @n.setter
     def n(self, value: int) -> None:
         self._self_core.cycle.set(value)
+        state = self._self_core.state
+        if state is not None:
+            # Kept slices that XLA cannot grow while a step runs hold a
+            # cycle of the new length from now on.
+            state.reserve_kept()
 
     @property
     def reduction(self) -> str:
@@ -121,7 +126,7 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
 
     @property
     def sparse(self) -> str:
-        """`"rows"` or `"slices"`: how `tf.IndexedSlices` gradients are kept."""
+        """`"auto"`, `"rows"` or `"slices"`: how `tf.IndexedSlices` gradients are kept."""
         return self._self_core.settings.sparse
 
     @property

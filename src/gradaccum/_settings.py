@@ -27,7 +27,8 @@ class Settings:
         reduction: `"mean"` or `"sum"`.
         mode: `"masked"` or `"skip"`.
         weigh_by: `"count"` or `"batch"`.
-        sparse: `"rows"` or `"slices"`.
+        sparse: `"auto"`, `"rows"` or `"slices"` (how `tf.IndexedSlices`
+            gradients are accumulated; see `gradaccum.accumulate`).
         agc: Adaptive gradient clipping's factor, or None (off).
         agc_eps: The smallest weight norm an AGC cap is computed from.
         agc_exclude: The variables AGC leaves alone: None, a predicate, or a
@@ -43,7 +44,7 @@ class Settings:
     reduction: str = "mean"
     mode: str = "masked"
     weigh_by: str = "count"
-    sparse: str = "rows"
+    sparse: str = "auto"
     agc: float | None = None
     agc_eps: float = 1e-3
     agc_exclude: Any = None

@@ -3,8 +3,8 @@
 `State` owns the variables gradients are accumulated for and their index,
 one accumulator per variable, the micro-step counter, the sum of the cycle's
 micro-batch weights, `n` (an int's variable), which variables take part in
-updates, and, with `sparse="slices"` on TensorFlow, each variable's kept
-slices. The backend creates the variables (`Backend.create_state`); it is
+updates, and, on TensorFlow, each variable's kept slices (its cycle's
+`tf.IndexedSlices`, unless `sparse="rows"`). The backend creates the variables (`Backend.create_state`); it is
 built once the wrapped optimizer is, and grows with an optimizer that
 creates its state lazily (`OptimizerFamily.grows`). How it persists is
 `gradaccum._persistence`'s.
@@ -12,7 +12,7 @@ creates its state lazily (`OptimizerFamily.grows`). How it persists is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,14 +53,23 @@ class State:
         self.micro_step = created.micro_step
         self.weight_total = created.weight_total
         self.n = created.n
+        # Which variables have received a gradient in the current cycle: a
+        # variable (`Backend.create_state`), or on the host where the
+        # backend keeps the cycle's position there (see `mark_touched`).
+        self.touched = created.touched
+        self.host_touched: set[int] = set()
         # Where the backend keeps the cycle's position on the host
         # (`Backend.host_counters`): the micro-step counter's value, and the
         # wrapped optimizer's applied updates once a schedule needs them.
         self.host_micro_step = 0
         self.host_applied: int | None = None
-        # With `sparse="slices"`: each variable's (values, indices) buffers,
-        # by position, created when it first receives `tf.IndexedSlices`.
-        self.kept: dict[int, tuple[Any, Any]] = {}
+        # Each variable's kept slices (`Backend.new_kept`), by position,
+        # made when it first receives `tf.IndexedSlices` to keep (or a file
+        # gives it some).
+        self.kept: dict[int, Any] = {}
+        # What a checkpoint's restore gave the kept slices, loaded once the
+        # whole restore has been read (`gradaccum._persistence.checkpoint`).
+        self.loaded_slices: dict[int, dict[str, Any]] = {}
         # Positions of the variables that have received a gradient: they take
         # part in every update from then on (zeros on micro-steps without one).
         self.participants: set[int] = set()
@@ -136,6 +145,24 @@ class State:
         """Positions of the variables that take part, among those held."""
         return sorted(i for i in self.participants if i < len(self.accumulators))
 
+    def mark_touched(self, given: set[int], first: Any) -> None:
+        """Records which variables received a gradient in this micro-step:
+        they, and those of the cycle's earlier micro-steps, take part in its
+        update; a variable without any gradient in the cycle does not, as
+        in the large batch."""
+        backend = self._backend
+        if backend.host_counters:
+            self.host_touched = set(given) if first else self.host_touched | given
+        elif self.touched is not None:
+            mask = ops.convert_to_tensor([int(i in given) for i in range(len(self.accumulators))], dtype="int32")
+            before = backend.read(self.touched)
+            backend.assign(self.touched, ops.where(first, mask, ops.maximum(before, mask)))
+
+    def touched_in_cycle(self, index: int) -> Callable[[], Any]:
+        """A function returning whether variable `index` received a gradient
+        in the current cycle (a scalar boolean; read where it is called)."""
+        return lambda: ops.greater(self._backend.read(self.touched)[index], 0)
+
     def unmet(self) -> list[int]:
         """Taking part by a restore, but not met by this optimizer yet."""
         return sorted(i for i in self.participants if i >= len(self.variables))
@@ -202,47 +229,43 @@ class State:
         return self._maxima[index]
 
     # ------------------------------------------------------------------
-    # Kept slices (`sparse="slices"`, TensorFlow).
+    # Kept slices (TensorFlow).
 
     def keeps_slices(self, index: int) -> bool:
-        """Whether variable `index` has buffers of kept slices."""
+        """Whether variable `index` keeps its slices."""
         return index in self.kept
 
-    def slice_buffers(self, index: int) -> tuple[Any, Any]:
-        """The (values, indices) buffers of variable `index`, created empty
-        (eagerly, also while a step is traced) when first asked for.
-
-        Raises:
-            ValueError: If its accumulator holds a partial cycle's sums,
-                which the update would leave out.
-        """
+    def kept_for(self, index: int, keep_all: bool) -> Any:
+        """The kept slices of variable `index`, made (empty) when first
+        asked for. `keep_all`: every slice grows (`sparse="slices"`)."""
         if index not in self.kept:
-            self._check_no_row_sums(index)
-            self.kept[index] = self._backend.slice_buffers(self._family, self.variables[index])
-            if self.checkpoint is not None:
-                self.checkpoint.track_slices(index, self.kept[index])
+            backend = self._backend
+            self.kept[index] = backend.new_kept(
+                self._family, self.variables[index], self.accumulators[index], self.n, keep_all,
+                lambda: int(backend.saved(self.micro_step, False)) if self.begun() else 0,
+            )
         return self.kept[index]
 
-    def _check_no_row_sums(self, index: int) -> None:
-        """Refuses to keep slices for a variable whose accumulator holds sums.
+    def reserve_kept(self) -> None:
+        """Makes every variable's kept slices hold a cycle of the current
+        `n` (eagerly, after `n` was set)."""
+        with self._backend.eagerly():
+            for kept in self.kept.values():
+                kept.reserve()
 
-        Read once, eagerly, when its buffers are created: sums there come
-        from dense gradients earlier in the cycle, or from a partial cycle
-        restored from state written with `sparse="rows"`. Between cycles an
-        accumulator holds the last cycle's values, which count for nothing.
-        """
-        backend = self._backend
-        with backend.eagerly():
-            held = self.begun() and bool(backend.any_nonzero([self.accumulators[index]]))
-        if held:
-            raise ValueError(
-                f"With sparse=\"slices\", variable {variable_name(self.variables[index])!r} "
-                "received tf.IndexedSlices while its accumulator holds a partial "
-                "cycle's row sums (dense gradients earlier in the cycle, or a "
-                "partial cycle restored from state saved with sparse=\"rows\"), "
-                "which the update would leave out. Finish or `flush()` that cycle "
-                "with sparse=\"rows\" first."
-            )
+    def load_kept(self, index: int, saved: dict[str, Any], sparse: str) -> None:
+        """Loads kept slices a file or checkpoint held for variable `index`
+        (eagerly): kept again, or added into its rows where slices are not
+        kept (`sparse="rows"`, or a backend without `tf.IndexedSlices`)."""
+        if sparse != "rows" and hasattr(self._backend, "new_kept"):
+            self.kept_for(index, sparse == "slices").load(saved)
+            return
+        backend, accumulator = self._backend, self.accumulators[index]
+        rows = np.asarray(backend.saved(accumulator, False)).copy()
+        for values, indices in (("kept_values", "kept_indices"), ("fixed_values", "fixed_indices")):
+            if values in saved:
+                np.add.at(rows, np.asarray(saved[indices], np.int64), np.asarray(saved[values], rows.dtype))
+        backend.load(accumulator, rows, False)
 
     # ------------------------------------------------------------------
     # Between cycles.
@@ -252,12 +275,12 @@ class State:
         with self._backend.eagerly():
             return int(self._backend.saved(self.micro_step, False)) > 0
 
-    def unscale_restored(self) -> None:
-        """Divides out the scale a TensorFlow checkpoint written by an
-        earlier version held a partial cycle's sums at (once per restore)."""
+    def upgrade_restored(self) -> None:
+        """Brings a TensorFlow checkpoint written by an earlier version to
+        this format (once per restore, see `Checkpointed.upgrade`)."""
         if self.checkpoint is not None and self.checkpoint.restored:
             with self._backend.eagerly():
-                self.checkpoint.unscale(self)
+                self.checkpoint.upgrade(self)
 
     def view(self) -> AccumulationState:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it
@@ -268,8 +291,14 @@ class State:
             accumulators=tuple(self.accumulators),
             micro_step=self._backend.snapshot(self.micro_step),
             weight_total=self._backend.snapshot(self.weight_total),
-            kept_slices=dict(self.kept),
+            kept_slices=self._kept_view(),
         )
+
+    def _kept_view(self) -> dict[int, tuple[Any, Any]]:
+        """Each variable's kept slices of the current cycle, eagerly."""
+        if not self._backend.writable_now(self.micro_step):
+            return {}
+        return {i: kept.view() for i, kept in self.kept.items() if not getattr(kept, "rows_only", False)}
 
     def settle(self) -> None:
         """Makes the state read as `AccumulationState` documents it.
@@ -279,7 +308,7 @@ class State:
         over them (see `gradaccum._core`). Between cycles this zeroes them,
         where a write lasts (eagerly); inside a trace nothing is done.
         """
-        self.unscale_restored()
+        self.upgrade_restored()
         if not self._backend.writable_now(self.micro_step) or self.begun():
             return
         backend = self._backend

@@ -8,7 +8,7 @@ from typing import Any
 REDUCTIONS = ("mean", "sum")
 MODES = ("masked", "skip")
 WEIGHINGS = ("count", "batch")
-SPARSE = ("rows", "slices")
+SPARSE = ("auto", "rows", "slices")
 
 
 def check_n(n: Any) -> int:
@@ -66,9 +66,11 @@ def check_sparse(sparse: Any) -> str:
         )
     if sparse not in SPARSE:
         raise ValueError(
-            f"`sparse` must be one of {SPARSE}: \"rows\" adds `tf.IndexedSlices` "
-            "gradients into their rows, \"slices\" keeps the cycle's slices "
-            f"as the large batch has them. Received: sparse={sparse!r}."
+            f"`sparse` must be one of {SPARSE}: \"auto\" keeps `tf.IndexedSlices` "
+            "gradients as the large batch has them (slices of lookups of the "
+            "batch's ids side by side, those of lookups that do not grow with "
+            "the batch summed), \"rows\" adds them into their rows, \"slices\" "
+            f"keeps every micro-step's slices. Received: sparse={sparse!r}."
         )
     return sparse
 
@@ -200,3 +202,36 @@ def check_step_arguments(
     if len(grads) != len(variables):
         raise ValueError(f"Received {len(grads)} gradients for {len(variables)} variables.")
     return grads, variables
+
+
+def _dims(shape: Any) -> list[int | None] | None:
+    """A shape's dimensions (None where unknown), or None for an unknown rank."""
+    if getattr(shape, "rank", 0) is None:  # a TensorFlow shape of unknown rank
+        return None
+    return [None if d is None else int(d) for d in shape]
+
+
+def check_gradient_shapes(grads: list[Any], variables: list[Any]) -> None:
+    """Refuses a gradient whose shape is not its variable's, naming the
+    variable (dimensions unknown while tracing are not compared).
+
+    Raises:
+        ValueError: For the first such gradient.
+    """
+    for grad, variable in zip(grads, variables):
+        if grad is None:
+            continue
+        slices = type(grad).__name__ == "IndexedSlices"  # TensorFlow's, without importing it
+        got = _dims(grad.values.shape if slices else grad.shape)
+        expected = _dims(variable.shape)
+        if got is None or expected is None:
+            continue
+        if slices:  # `tf.IndexedSlices`: rows of the variable
+            got, expected = got[1:], expected[1:]
+        if len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected)):
+            name = getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
+            what = "rows of shape" if slices else "shape"
+            raise ValueError(
+                f"The gradient for variable {name!r} has {what} {tuple(got)}, but the variable's are "
+                f"{tuple(expected)}: each gradient must have its variable's shape."
+            )

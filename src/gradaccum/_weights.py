@@ -25,8 +25,9 @@ class Weights:
     def __init__(self, backend: Backend, weigh_by: str):
         self._backend = backend
         self._weigh_by = weigh_by
-        # A weight handed over by a loss-scale wrapping for the next micro-step.
-        self._handed: Any = None
+        # Weights handed over by a loss-scale wrapping for the next micro-step,
+        # by replica (each replica applies in a thread of its own).
+        self._handed: dict[int, Any] = {}
         # Loss counts handed over for the next micro-step, by replica: each
         # replica computes its loss and applies in a thread of its own.
         self._counts: dict[int, Any] = {}
@@ -38,11 +39,12 @@ class Weights:
         A loss-scale optimizer calls the core without a weight; the
         accumulating optimizer around it hands the weight over this way.
         """
-        self._handed = check_weight(weight)
+        replica = self._backend.replica_id()
+        self._handed[replica] = check_weight(weight)
         try:
             yield
         finally:
-            self._handed = None
+            self._handed.pop(replica, None)
 
     def count_next(self, count: Any) -> None:
         """Hands the next micro-step the count its loss was divided by.
@@ -88,7 +90,7 @@ class Weights:
         if weight is not None and not isinstance(weight, float):
             self._check_value(weight)
         if weight is None:
-            weight, self._handed = self._handed, None
+            weight = self._handed.pop(self._backend.replica_id(), None)
         count = self._counts.pop(self._backend.replica_id(), None)
         if count is not None and not self._backend.usable_here(count):
             count = None

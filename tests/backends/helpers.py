@@ -8,7 +8,8 @@ cross-check of the same expectations, in `keras3` on TensorFlow.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import keras
 import numpy as np

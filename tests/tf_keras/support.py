@@ -12,8 +12,9 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf

@@ -6,7 +6,6 @@ tensorflow-recommenders' retrieval task does); each compared with the plain
 optimizer on the large batch.
 """
 
-import sys
 
 import pytest
 import tensorflow as tf

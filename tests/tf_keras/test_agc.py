@@ -5,7 +5,6 @@ each large-batch gradient with the NumPy reference (`tests.agc_reference`);
 the subject is `accumulate(optimizer, n, agc=...)` on micro-batches of `B`.
 """
 
-import numpy as np
 import pytest
 import tf_keras
 

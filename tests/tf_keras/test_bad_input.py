@@ -1,6 +1,5 @@
 """Bad input fails early, with the argument named, for tf_keras optimizers too."""
 
-import sys
 
 import keras
 import numpy as np

@@ -10,6 +10,7 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import accumulate
+from tests.support import MODES, mirrored
 from tests.tf_keras.support import (
     GROW_LEGACY,
     GROW_N,
@@ -25,7 +26,6 @@ from tests.tf_keras.support import (
     make_data,
     make_mlp,
 )
-from tests.support import MODES, mirrored
 
 N, B, CYCLES = 3, 8, 3
 LSO = tf_keras.mixed_precision.LossScaleOptimizer

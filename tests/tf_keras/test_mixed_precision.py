@@ -76,10 +76,7 @@ def test_fit_equals_large_batch_mixed_float16(kind, order):
         fit(ref_model, ref_opt, x, y, B * N)
         model = make_mlp()
         # compile wraps a plain optimizer in a LossScaleOptimizer itself.
-        if order == "compile_auto_wrap":
-            opt = accumulate(make(), N)
-        else:
-            opt = WRAPS[order](make)
+        opt = accumulate(make(), N) if order == "compile_auto_wrap" else WRAPS[order](make)
         fit(model, opt, x, y, B)
     assert isinstance(model.optimizer, LSO)
     # No micro-batch overflowed: the scale is where the reference's is.

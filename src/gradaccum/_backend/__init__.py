@@ -88,12 +88,16 @@ class StateVariables(NamedTuple):
         weight_total: The float32 sum of the cycle's micro-batch weights, 0.
         n: The cycle's length for an int `n` (so that setting it needs no
             new trace), or None for a schedule.
+        touched: Where the backend keeps it as a variable, an integer vector:
+            whether each variable has received a gradient in the current
+            cycle (1 at first, as if every variable had); else None.
     """
 
     accumulators: list[Any]
     micro_step: Any
     weight_total: Any
     n: Any
+    touched: Any = None
 
 
 class Update(NamedTuple):
@@ -110,6 +114,12 @@ class Update(NamedTuple):
             accumulator's (divided) value.
         family: The wrapped optimizer's family.
         variables: Every variable the optimizer is built for.
+        taking_part: The variables of `accumulators`.
+        conditions: For some of the update's variables (by position in
+            `accumulators`), a function returning a scalar boolean: whether
+            the variable has received a gradient in this cycle; where it has
+            not, neither it nor its optimizer state may change (see
+            `Backend.masks_each`).
     """
 
     ends: Any
@@ -119,6 +129,8 @@ class Update(NamedTuple):
     apply: Callable[[list[Any]], None]
     family: Any
     variables: list[Any]
+    taking_part: list[Any] = []
+    conditions: dict[int, Callable[[], Any]] = {}
 
 
 class Backend(Protocol):
@@ -195,6 +207,9 @@ class Backend(Protocol):
     def finish(self, update: Update, mode: str) -> None:
         """Runs `update.apply` so that it takes effect only if `update.ends`
         (`mode`: `"masked"` or `"skip"`, where the backend tells them apart)."""
+
+    def masks_each(self, family: Any) -> bool:
+        """Whether `finish` honours `Update.conditions` for this family."""
 
     def when(self, condition: Any, fn: Callable[[], None]) -> None:
         """Runs `fn`, which synchronises nothing, only if `condition`."""

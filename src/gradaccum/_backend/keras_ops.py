@@ -106,6 +106,7 @@ class KerasOpsBackend:
             micro_step=_variable("micro_step", (), "int32"),
             weight_total=_variable("weight_total", (), "float32"),
             n=None if n is None else _variable("n", (), "int32", n),
+            touched=_variable("touched", (len(variables),), "int32", 1),
         )
 
     def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
@@ -116,14 +117,17 @@ class KerasOpsBackend:
 
     def listed(self, state: Any) -> list[Any]:
         own = [*state.accumulators, state.micro_step, state.weight_total]
-        return own if state.n is None else own + [state.n]
+        own += [v for v in (state.n, state.touched) if v is not None]
+        return own
 
     def check_settings(self, settings: Any) -> None:
-        if settings.sparse != "rows":
+        # Embedding gradients are dense here: "auto" adds them into rows,
+        # which is what the large batch does.
+        if settings.sparse == "slices":
             raise ValueError(
                 f"sparse={settings.sparse!r} keeps `tf.IndexedSlices`, which only the "
                 f"TensorFlow backend has; the active Keras backend is "
-                f"{keras.config.backend()!r}. Use sparse=\"rows\" (the default)."
+                f"{keras.config.backend()!r}. Use sparse=\"auto\" (the default) or \"rows\"."
             )
 
     def check_build(self, family: Any, sparse: str) -> None:
@@ -194,6 +198,9 @@ class KerasOpsBackend:
 
     def set_counter(self, variable: Any, value: int) -> None:
         variable.assign(value)
+
+    def masks_each(self, family: Any) -> bool:
+        return False
 
     def finish(self, update: Update, mode: str) -> None:
         accumulators, divided, divisor = update.accumulators, update.divided, update.divisor

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gradaccum._backend import Update
+from gradaccum._backend import StateVariables, Update
 from gradaccum._backend.keras_ops import KerasOpsBackend
 
 
@@ -31,6 +31,10 @@ class TorchBackend(KerasOpsBackend):
     """The hooks of `gradaccum._backend.Backend` on PyTorch."""
 
     host_counters = True
+
+    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+        # Which variables took part in the cycle is kept on the host.
+        return super().create_state(family, variables, n)._replace(touched=None)
 
     def snapshot(self, variable: Any) -> Any:
         # A write copies into the tensor the variable holds.
@@ -80,6 +84,10 @@ class TorchBackend(KerasOpsBackend):
     def set_counter(self, variable: Any, value: int) -> None:
         with torch.no_grad():
             variable.value.fill_(value)
+
+    def masks_each(self, family: Any) -> bool:
+        # Nothing to mask: the cycle's participation is known on the host.
+        return False
 
     def finish(self, update: Update, mode: str) -> None:
         if not update.ends:

@@ -7,11 +7,12 @@ through a child of the optimizer named `gradient_accumulation`, a
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
 
-from gradaccum._persistence.keras_files import check_settings
+from gradaccum._persistence.keras_files import KEPT, check_settings
 from gradaccum._state import State
 
 CHILD = "gradient_accumulation"
@@ -32,12 +33,14 @@ def checkpoint_class() -> type:
         """What TensorFlow checkpoints hold of a `State`.
 
         The containers are the state's own: a variable the state adds later
-        (an optimizer that grows, kept slices) is tracked, and restored from
-        a checkpoint read before it existed. Which variables take part is
+        (an optimizer that grows) is tracked, and restored from a checkpoint
+        read before it existed. Kept slices go in a child of their own
+        (`KeptSlices`). Which variables take part is
         Python state that decides what a traced step updates, so it is
         written beside the variables, with the settings, which are checked.
         `scale` is 1: a checkpoint written before held the sums of a partial
-        cycle multiplied by it, which `unscale_restored` divides out.
+        cycle multiplied by it, which `upgrade` divides out; such a
+        checkpoint has no `touched` either, which `upgrade` fills in.
         """
 
         def __init__(self, state: State, core: Any):
@@ -46,29 +49,45 @@ def checkpoint_class() -> type:
             state.accumulators = self.accumulators  # the tracked list
             self.micro_step = state.micro_step
             self.weight_total = state.weight_total
-            self.kept_values: dict[str, Any] = {}
-            self.kept_indices: dict[str, Any] = {}
-            for index, buffers in state.kept.items():
-                self.track_slices(index, buffers)
+            if state.touched is not None:
+                self.touched = state.touched
+            self.slices = KeptSlices(core)
             with distribution.creation_scope(core.family.strategy()):
                 self.scale = distribution.mirrored_counter(1, name="sum_scale", dtype=tf.float32)
             self._core = core
             self.restored = False
 
-        def track_slices(self, index: int, buffers: tuple[Any, Any]) -> None:
-            self.kept_values[str(index)], self.kept_indices[str(index)] = buffers
-
-        def unscale(self, state: State) -> None:
+        def upgrade(self, state: State) -> None:
+            """Once all of a restore has been read: loads the kept slices (into
+            rows, those of a `sparse="rows"` optimizer, which adds into the
+            restored accumulators), then brings a checkpoint of an earlier
+            format to this one."""
             self.restored = False
+            loaded, state.loaded_slices = state.loaded_slices, {}
+            for i in range(len(state.accumulators)):
+                if i in loaded or i in state.kept:
+                    state.load_kept(i, loaded.get(i, {}), self._core.settings.sparse)
+            self._touch_all_if_unrecorded(state)
             scale = float(self.scale.numpy())
             if scale == 1.0:
                 return
             held = [a for i, a in enumerate(state.accumulators) if not state.keeps_maximum(i)]
-            held += [values for values, _ in state.kept.values()]
             for variable in held:
                 for copy in distribution.copies(variable):
                     copy.assign(copy.read_value() / tf.cast(scale, copy.dtype), read_value=False)
             self.scale.assign(1.0)
+
+        def _touch_all_if_unrecorded(self, state: State) -> None:
+            # A cycle under way records at least one variable as touched; a
+            # checkpoint written before this was recorded restores none, and
+            # then every variable taking part counts as touched, as it did.
+            if state.touched is None or int(distribution.copies(state.micro_step)[0].numpy()) == 0:
+                return
+            if np.any(distribution.copies(state.touched)[0].numpy()):
+                return
+            mask = np.array([int(i in state.participants) for i in range(len(state.accumulators))], np.int32)
+            for copy in distribution.copies(state.touched):
+                copy.assign(mask, read_value=False)
 
         def _serialize_to_tensors(self) -> dict[str, Any]:
             state = self._core.state
@@ -94,6 +113,44 @@ def checkpoint_class() -> type:
                 tf.debugging.assert_equal(reduction, tf.constant(core.settings.reduction),
                                           message="gradient accumulation: reduction differs"),
             )
+
+    class KeptSlices(tf.Module):
+        """The kept slices of the current cycle (`State.kept`), as one string
+        tensor: NumPy's `.npz` of what Keras files hold of them, for every
+        variable. Which variables keep slices, and in which layout, is
+        known only once steps ran, where a checkpoint's keys must be known
+        when it is read; and a replica-local variable would be saved as the
+        sum over replicas, where each replica keeps slices of its own.
+        Traced (a SavedModel's save function), it writes none."""
+
+        def __init__(self, core: Any):
+            super().__init__(name="kept_slices")
+            self._core = core
+
+        def _serialize_to_tensors(self) -> dict[str, Any]:
+            arrays: dict[str, np.ndarray] = {}
+            if tf.executing_eagerly():
+                for i, kept in self._core.state.kept.items():
+                    arrays.update({f"{key}_{i}": value for key, value in kept.saved().items()})
+            buffer = io.BytesIO()
+            np.savez(buffer, **arrays)
+            return {"npz": tf.constant(buffer.getvalue())}
+
+        def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
+            if not tf.executing_eagerly():
+                return tf.no_op()
+            state = self._core.state
+            with np.load(io.BytesIO(restored_tensors["npz"].numpy())) as held:
+                arrays = {key: held[key] for key in held.files}
+            loaded = {}
+            for i in range(len(state.accumulators)):
+                kept = {key: arrays[f"{key}_{i}"] for key in KEPT if f"{key}_{i}" in arrays}
+                if kept:
+                    loaded[i] = kept
+            # Loaded once the whole restore has been read (`Checkpointed.unscale`).
+            state.loaded_slices = loaded
+            state.checkpoint.restored = True
+            return tf.no_op()
 
     _CHECKPOINT.append(Checkpointed)
     return Checkpointed

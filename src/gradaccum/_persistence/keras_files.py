@@ -21,6 +21,11 @@ KEY = "gradaccum_"
 # Optimizer state a Keras file would lose (`Keras3Family.untracked_variables`).
 UNTRACKED = f"{KEY}untracked_"
 _REDUCTIONS = ("mean", "sum")
+# A variable's kept slices (`State.kept`), each key followed by `_{index}`:
+# grown slices of every replica side by side (the only ones files written
+# before held, with `sparse="slices"`), each replica's count, fixed slices
+# summed over replicas, and the cycle's micro-steps they hold.
+KEPT = ("kept_values", "kept_indices", "kept_counts", "fixed_values", "fixed_indices", "kept_steps")
 
 
 def owns_key(key: str) -> bool:
@@ -86,7 +91,7 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
     """The state as Keras files hold it. Between cycles the accumulators and
     the weight total hold the last cycle's values, which count for nothing:
     they are written as zeros."""
-    state.unscale_restored()
+    state.upgrade_restored()
     begun = state.begun()
     total = backend.saved(state.weight_total, False)
     names = "\0".join(relative_names(state.variables)).encode("utf-8")
@@ -96,6 +101,7 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
         f"{KEY}micro_step": np.asarray(backend.saved(state.micro_step, False), np.int64),
         f"{KEY}weight_total": total if begun else np.zeros_like(total),
         f"{KEY}seen": np.array([i in state.participants for i in range(len(state.accumulators))]),
+        f"{KEY}touched": _touched(state, backend),
         # Keras stores hold numbers only: UTF-8 bytes, separated by NUL.
         f"{KEY}names": np.frombuffer(names, dtype=np.uint8),
     }
@@ -103,10 +109,18 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
         value = backend.saved(accumulator, state.keeps_maximum(i))
         values[f"{KEY}accumulator_{i}"] = value if begun else np.zeros_like(value)
         if i in state.kept:
-            kept_values, kept_indices = state.kept[i]
-            values[f"{KEY}kept_values_{i}"] = backend.saved(kept_values, False)
-            values[f"{KEY}kept_indices_{i}"] = backend.saved(kept_indices, False)
+            for key, held in state.kept[i].saved().items():
+                values[f"{KEY}{key}_{i}"] = held
     return values
+
+
+def _touched(state: State, backend: Any) -> np.ndarray:
+    """Which variables received a gradient in the current cycle."""
+    if state.touched is not None:
+        return backend.saved(state.touched, False) > 0
+    if backend.host_counters:
+        return np.array([i in state.host_touched for i in range(len(state.accumulators))])
+    return np.array([i in state.participants for i in range(len(state.accumulators))])
 
 
 def _sources(values: dict[str, np.ndarray], state: State) -> list[int]:
@@ -155,31 +169,13 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
     total or participation).
 
     Raises:
-        ValueError: If the store was written for another model, or holds
-            kept slices where no backend keeps them.
+        ValueError: If the store was written for another model.
     """
     source = _sources(values, state)
-    kept = {i: j for i, j in enumerate(source) if f"{KEY}kept_values_{j}" in values}
-    if kept and not hasattr(backend, "slice_buffers"):
-        raise ValueError(
-            "The saved state holds sparse=\"slices\" slices, which only the TensorFlow backend "
-            "keeps; load it on TensorFlow."
-        )
     for i, j in enumerate(source):
         value = np.asarray(values[f"{KEY}accumulator_{j}"]).copy()
-        if i in kept and sparse != "slices":
-            # Kept slices loaded where rows are accumulated: their rows' sums.
-            np.add.at(value, values[f"{KEY}kept_indices_{j}"].astype(np.int64), values[f"{KEY}kept_values_{j}"])
         backend.load(state.accumulators[i], value.astype(backend.saved(state.accumulators[i], False).dtype),
                      state.keeps_maximum(i))
-    if sparse == "slices":
-        for i in range(len(state.accumulators)):
-            if i in kept:
-                buffers = state.slice_buffers(i)
-                for buffer, key in zip(buffers, ("kept_values", "kept_indices")):
-                    buffer.assign(values[f"{KEY}{key}_{kept[i]}"].astype(backend.saved(buffer, False).dtype))
-            elif state.keeps_slices(i):
-                backend.clear_slices([state.slice_buffers(i)])
     micro_step = int(np.asarray(values[f"{KEY}micro_step"]))
     backend.set_counter(state.micro_step, micro_step)
     if f"{KEY}seen" in values:
@@ -187,6 +183,19 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
         state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
     elif micro_step > 0:  # written before participation was: read it off the sums
         state.participants = {i for i, j in enumerate(source) if np.any(values[f"{KEY}accumulator_{j}"])}
+    # Written before the cycle's participation was, every variable taking
+    # part counts as having received a gradient in the cycle.
+    touched = np.asarray(values.get(f"{KEY}touched", np.ones(len(source), bool)), dtype=bool)
+    touched = {i for i, j in enumerate(source) if j < len(touched) and touched[j]} & state.participants
+    state.host_touched = touched
+    if state.touched is not None:
+        mask = np.array([int(i in touched) for i in range(len(state.accumulators))], np.int32)
+        backend.load(state.touched, mask, True)
     # Written before weights existed, every micro-batch weighed 1.
     total = values.get(f"{KEY}weight_total", np.asarray(micro_step, np.float32))
     backend.load(state.weight_total, np.asarray(total, np.float32), False)
+    # Last: where the slices are added into rows, into the rows just loaded.
+    for i, j in enumerate(source):
+        kept = {key: values[f"{KEY}{key}_{j}"] for key in KEPT if f"{KEY}{key}_{j}" in values}
+        if kept or i in state.kept:
+            state.load_kept(i, kept, sparse)

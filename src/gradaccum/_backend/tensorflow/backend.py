@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from gradaccum._backend import StateVariables, Update
 from gradaccum._backend.tensorflow import distribution, tensors, updates
+from gradaccum._backend.tensorflow.kept import Kept
 
 
 class TensorFlowBackend:
@@ -40,12 +41,22 @@ class TensorFlowBackend:
     def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
         accumulators = self.new_accumulators(family, variables)
         with distribution.creation_scope(family.strategy()):
+            touched = None
+            if self.masks_each(family):
+                touched = distribution.mirrored_counter(tf.ones([len(variables)], tf.int32), name="touched")
             return StateVariables(
                 accumulators=accumulators,
                 micro_step=distribution.mirrored_counter(0, name="micro_step"),
                 weight_total=distribution.replica_local(tf.constant(0.0), name="weight_total"),
                 n=None if n is None else distribution.mirrored_counter(n, name="n"),
+                touched=touched,
             )
+
+    def masks_each(self, family: Any) -> bool:
+        """Whether an update can leave some of its variables untouched at run
+        time: for families whose every write is a variable's write method
+        and whose per-variable update synchronises nothing (Keras 3)."""
+        return family.masks_writes and family.per_variable_update is not None
 
     def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
         with distribution.creation_scope(family.strategy()):
@@ -67,12 +78,7 @@ class TensorFlowBackend:
         return None
 
     def check_build(self, family: Any, sparse: str) -> None:
-        if sparse == "slices" and family.strategy().num_replicas_in_sync > 1:
-            raise ValueError(
-                "sparse=\"slices\" works on one device only: under a "
-                "distribution strategy with more than one replica use "
-                "sparse=\"rows\" (the default)."
-            )
+        return None
 
     # ------------------------------------------------------------------
     # Reading.
@@ -151,6 +157,7 @@ class TensorFlowBackend:
             lambda: update.apply(_read(update.accumulators)),
             masks_writes=family.masks_writes,
             per_variable=per_variable,
+            conditions=_conditions(update),
         )
 
     def _skipped(self, update: Update) -> None:
@@ -163,7 +170,19 @@ class TensorFlowBackend:
         def apply(values: list[tf.Tensor], divisor: tf.Tensor | None = None) -> None:
             if divisor is not None:
                 values = [v / tf.cast(divisor, v.dtype) if d else v for v, d in zip(values, divided)]
-            update.apply(values)
+            # Kept slices are divided by this replica's divisor, a branch input.
+            if not update.conditions:
+                update.apply(values, divisor)
+                return
+            # Inside the branch the cycle ends: only the conditions remain.
+            # Read here, in this replica's own context.
+            conditions = _conditions(update)
+            family = update.family
+            model = [family.model_variable(update.taking_part[k]) for k in update.conditions]
+            with updates.masking_writes(model, tf.constant(True), conditions), updates.skipping_each(
+                family.optimizer, family.per_variable_update, tf.constant(True), conditions
+            ):
+                update.apply(values, divisor)
 
         inputs = [values] if update.divisor is None else [values, update.divisor]
         updates.skipped_update(update.ends, apply, *inputs)
@@ -223,21 +242,30 @@ class TensorFlowBackend:
     def scatter_into(self, accumulator: Any, grad: Any, weight: Any, first: Any) -> None:
         tensors.scatter_into(accumulator, grad, weight, first)
 
-    def slice_buffers(self, family: Any, variable: Any) -> tuple[Any, Any]:
-        with distribution.creation_scope(family.strategy()):
-            return tensors.slice_buffers(variable, family.model_variable(variable))
+    def new_kept(self, family: Any, variable: Any, accumulator: Any, n: Any, keep_all: bool,
+                 steps: Callable[[], int]) -> Kept:
+        """A variable's kept slices (`gradaccum._backend.tensorflow.kept`)."""
+        return Kept(variable, accumulator, family, n, keep_all, steps)
 
-    def append_slices(self, buffers: tuple[Any, Any], grad: Any, weight: Any) -> None:
-        tensors.append_slices(buffers, grad, weight)
+    def keep_slices(self, kept: Kept, grad: Any, weight: Any, first: Any) -> None:
+        kept.add(grad, weight, first)
 
-    def kept_slices(self, buffers: tuple[Any, Any], shape: Any, divisor: Any) -> Any:
-        return tensors.kept_slices(buffers, shape, divisor)
+    def kept_slices(self, kept: Kept, divisor: Any) -> Any:
+        return kept.read(divisor)
 
-    def clear_slices_if(self, condition: Any, buffers: Sequence[tuple[Any, Any]]) -> None:
-        tensors.clear_slices_if(condition, buffers)
+    def kept_counters(self, kept: Kept) -> list[Any]:
+        return kept.counters()
 
-    def clear_slices(self, buffers: Sequence[tuple[Any, Any]]) -> None:
-        tensors.clear_slices(buffers)
+
+def _conditions(update: Update) -> dict[int, tf.Tensor]:
+    """The update's conditions by the id of each copy of their model variable."""
+    family = update.family
+    out = {}
+    for k, condition in update.conditions.items():
+        condition = condition() if callable(condition) else condition
+        for copy in distribution.copies(family.model_variable(update.taking_part[k])):
+            out[id(copy)] = condition
+    return out
 
 
 def _read(accumulators: Sequence[Any]) -> list[tf.Tensor]:

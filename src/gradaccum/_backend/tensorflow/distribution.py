@@ -92,10 +92,11 @@ def copies(variable: tf.Variable) -> list[tf.Variable]:
     return [variable]
 
 
-def mirrored_counter(initial: int, name: str, dtype: tf.DType = tf.int64) -> tf.Variable:
-    """A scalar every replica holds and advances identically."""
+def mirrored_counter(initial: Any, name: str, dtype: tf.DType = tf.int64) -> tf.Variable:
+    """A value (a scalar, or a tensor of its own dtype) every replica holds
+    and advances identically."""
     return tf.Variable(
-        tf.constant(initial, dtype=dtype),
+        initial if tf.is_tensor(initial) else tf.constant(initial, dtype=dtype),
         name=name,
         trainable=False,
         synchronization=tf.VariableSynchronization.ON_WRITE,
@@ -220,10 +221,17 @@ def clip_as_one_device(grads: list[Any], clip: Callable[[list[Any]], list[Any]])
 
 
 def _divided(grad: Any, replicas: int) -> Any:
+    """A replica's share of a summed gradient. The all-reduce concatenates
+    `tf.IndexedSlices`, so for them the first replica hands over all the
+    slices and every other replica none: a share of each slice on every
+    replica would repeat it, and optimizers that square slices would see
+    `1 / replicas` of their squares."""
     if grad is None:
         return None
     if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values / replicas, grad.indices, grad.dense_shape)
+        if replica_id() == 0:
+            return grad
+        return tf.IndexedSlices(grad.values[:0], grad.indices[:0], grad.dense_shape)
     return grad / replicas
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from gradaccum._backend.tensorflow.distribution import local_copy, replica_local
+from gradaccum._backend.tensorflow.distribution import local_copy
 
 
 def nothing() -> None:
@@ -201,71 +201,3 @@ def zero_if(condition: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
                 done = [v.assign(tf.fill(tf.shape(v), tf.cast(zero_value, v.dtype)), read_value=False)]
 
     tf.cond(condition, zero, nothing)
-
-
-# ----------------------------------------------------------------------
-# Kept slices (`sparse="slices"`).
-
-
-def slice_buffers(variable: Any, colocate_with: Any) -> tuple[tf.Variable, tf.Variable]:
-    """Empty buffers for a cycle's `tf.IndexedSlices` of `variable`: values
-    (rows of the variable's shape, accumulator dtype) and int64 indices.
-
-    Their first dimension is left unknown: each micro-step appends its
-    slices (`append_slices`). Create inside `distribution.creation_scope`.
-    """
-    row = list(variable.shape)[1:]
-    values = replica_local(
-        tf.zeros([0] + row, dtype=accumulator_dtype(variable)),
-        name="kept_values",
-        colocate_with=colocate_with,
-        shape=tf.TensorShape([None] + row),
-    )
-    indices = replica_local(
-        tf.zeros([0], dtype=tf.int64), name="kept_indices", colocate_with=colocate_with, shape=tf.TensorShape([None])
-    )
-    return values, indices
-
-
-def append_slices(buffers: tuple[tf.Variable, tf.Variable], grad: tf.IndexedSlices, weight: Any) -> None:
-    """Appends `weight * grad` (or `grad`) to the buffers `slice_buffers` made.
-
-    Repeated rows stay separate, as the optimizer would see them in one
-    large batch. Each append allocates the grown buffer once.
-
-    Raises:
-        ValueError: Under XLA, which cannot change a variable's shape.
-    """
-    if compiled_by_xla():
-        raise ValueError(
-            "sparse=\"slices\" keeps a cycle's slices in buffers that grow on "
-            "every micro-step, which XLA cannot compile (`jit_compile=True`). "
-            "Compile without XLA, or use sparse=\"rows\" (the default)."
-        )
-    values, indices = buffers
-    new = _weighted(grad.values, weight, values.dtype)
-    values.assign(tf.concat([values.value(), new], axis=0), read_value=False)
-    indices.assign(tf.concat([indices.value(), tf.cast(grad.indices, tf.int64)], axis=0), read_value=False)
-
-
-def kept_slices(buffers: tuple[tf.Variable, tf.Variable], dense_shape: Any, divisor: Any) -> tf.IndexedSlices:
-    """The kept slices as one `tf.IndexedSlices`, their values divided by the
-    scalar `divisor` (or as they are, for None)."""
-    values, indices = buffers
-    v = values.read_value()
-    if divisor is not None:
-        v = v / tf.cast(divisor, v.dtype)
-    return tf.IndexedSlices(v, indices.read_value(), tf.constant([int(d) for d in dense_shape], dtype=tf.int64))
-
-
-def clear_slices(buffers: Sequence[tuple[tf.Variable, tf.Variable]]) -> None:
-    """Empties each pair of slice buffers."""
-    for values, indices in buffers:
-        values.assign(tf.zeros([0] + list(values.shape)[1:], values.dtype), read_value=False)
-        indices.assign(tf.zeros([0], tf.int64), read_value=False)
-
-
-def clear_slices_if(condition: tf.Tensor, buffers: Sequence[tuple[tf.Variable, tf.Variable]]) -> None:
-    """`clear_slices` if `condition` (a `tf.cond` that synchronises nothing)."""
-    if buffers:
-        tf.cond(condition, lambda: clear_slices(buffers), nothing)

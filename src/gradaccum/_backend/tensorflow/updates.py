@@ -65,6 +65,7 @@ def masked_update(
     update: Callable[[], Any],
     masks_writes: bool = False,
     per_variable: tuple[Any, str] | None = None,
+    conditions: dict[int, tf.Tensor] | None = None,
 ) -> None:
     """Runs `update()`, then keeps its effect on `state` only if `keep_new`.
 
@@ -80,12 +81,15 @@ def masked_update(
         per_variable: With `masks_writes`, `(optimizer, name)` of the
             optimizer's method that updates one variable and synchronises
             nothing; it runs only if `keep_new` (see `skipping_each`).
+        conditions: With `per_variable`, further conditions by the id of a
+            variable (each replica's copy): its update and its writes take
+            effect only if its condition holds too.
     """
     if masks_writes:
         skipping = contextlib.nullcontext()
         if per_variable is not None:
-            skipping = skipping_each(*per_variable, keep_new)
-        with masking_writes(state, keep_new), skipping:
+            skipping = skipping_each(*per_variable, keep_new, conditions)
+        with masking_writes(state, keep_new, conditions), skipping:
             update()
     else:
         snapshot_update(strategy, keep_new, state, update)
@@ -232,14 +236,18 @@ class _CallMask(_Mask):
     (or per device, inside `extended.update`).
     """
 
-    def __init__(self, owner: Any, name: str, keep_new: tf.Tensor):
+    def __init__(self, owner: Any, name: str, keep_new: tf.Tensor, conditions: dict[int, tf.Tensor] | None = None):
         super().__init__()
+        conditions = conditions or {}
 
         def only_if_kept(method: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> None:
             def run() -> None:
                 method(*args, **kwargs)
 
-            tf.cond(keep_new, run, nothing)
+            # `update_step(gradient, variable, learning_rate)`.
+            variable = args[1] if len(args) > 1 else kwargs.get("variable")
+            condition = conditions.get(id(variable))
+            tf.cond(keep_new if condition is None else tf.logical_and(keep_new, condition), run, nothing)
 
         self._patches = [_patches.Patch(owner, name, only_if_kept)]
 
@@ -280,17 +288,30 @@ def _leaf_variables(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
     return _unique([copy for v in variables for copy in copies(v)])
 
 
-def masking_writes(variables: Sequence[tf.Variable], keep_new: tf.Tensor) -> contextlib.AbstractContextManager:
-    """Within the block, writes to `variables` take effect only if `keep_new`.
+def masking_writes(
+    variables: Sequence[tf.Variable], keep_new: tf.Tensor, conditions: dict[int, tf.Tensor] | None = None
+) -> contextlib.AbstractContextManager:
+    """Within the block, writes to `variables` take effect only if `keep_new`
+    (and, for a variable in `conditions`, by the id of a leaf copy, its
+    condition).
 
     Args:
         variables: TensorFlow variables (plain or distributed).
         keep_new: Scalar boolean tensor.
+        conditions: Further conditions by the id of a leaf variable.
     """
-    return _shared(_leaf_variables(variables), lambda v: _WriteMask(v, keep_new))
+    conditions = conditions or {}
+
+    def mask(v: tf.Variable) -> _WriteMask:
+        condition = conditions.get(id(v))
+        return _WriteMask(v, keep_new if condition is None else tf.logical_and(keep_new, condition))
+
+    return _shared(_leaf_variables(variables), mask)
 
 
-def skipping_each(owner: Any, name: str, keep_new: tf.Tensor) -> contextlib.AbstractContextManager:
+def skipping_each(
+    owner: Any, name: str, keep_new: tf.Tensor, conditions: dict[int, tf.Tensor] | None = None
+) -> contextlib.AbstractContextManager:
     """Within the block, calls of `owner.name` run only if `keep_new`.
 
     On an in-between step nothing of the method runs: its arithmetic is
@@ -301,5 +322,7 @@ def skipping_each(owner: Any, name: str, keep_new: tf.Tensor) -> contextlib.Abst
         owner: The object whose method is masked (an optimizer).
         name: The method's name.
         keep_new: Scalar boolean tensor.
+        conditions: Further conditions by the id of the variable the method
+            is called for (its second argument).
     """
-    return _shared([owner], lambda o: _CallMask(o, name, keep_new))
+    return _shared([owner], lambda o: _CallMask(o, name, keep_new, conditions))

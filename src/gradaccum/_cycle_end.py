@@ -1,0 +1,137 @@
+"""The end of a cycle: its update, handed to the backend, and its delivery.
+
+`end_cycle` decides which variables take part in the cycle's update (those
+that received a gradient in the cycle), the mean's divisor, and hands the
+backend the update (`gradaccum._backend.Update`), which runs so that it
+takes effect only on the step that ends the cycle. The update's gradients
+reach the wrapped optimizer through `deliver`, which clips them as one
+device training on the large batch would.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from keras import ops
+
+from gradaccum._backend import Update
+from gradaccum._state import variable_name
+
+
+def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
+    """Hands the backend `core`'s cycle update, to take effect if `ends`.
+
+    A variable that received no gradient in the whole cycle takes no
+    part in it, as in the large batch: left out where that is known on
+    the host; elsewhere, those this micro-step gave none (all, for
+    `flush`) are left out at run time by the backend, if it can
+    (`Backend.masks_each`).
+    """
+    backend, state = core.backend, core.state
+    included = state.taking_part()
+    if backend.host_counters:
+        included = [i for i in included if i in state.host_touched]
+    state.check_left_out(ends)
+    conditions = {}
+    maybe = [k for k, i in enumerate(included) if given is None or i not in given]
+    if maybe and not backend.host_counters:
+        if state.touched is not None and backend.masks_each(core.family):
+            conditions = {k: state.touched_in_cycle(included[k]) for k in maybe}
+        elif state.touched is not None and backend.known(ends):  # eager: read which took part
+            flags = backend.saved(state.touched, False)
+            included = [i for k, i in enumerate(included) if k not in maybe or flags[i] > 0]
+        elif given is not None:  # traced on JAX, or a tf_keras optimizer
+            _warn_untouched(core, [state.variables[included[k]] for k in maybe])
+    divisor = _divisor(core)
+    variables = [state.variables[i] for i in included]
+    kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
+
+    def apply(values: list[Any], divisor: Any = divisor) -> None:
+        # `divisor`: a skipped update's branch input on TensorFlow.
+        grads = [ops.cast(v, w.dtype) for v, w in zip(values, variables)]
+        for k, held in kept.items():
+            sliced = backend.kept_slices(held, divisor)
+            grads[k] = grads[k] if sliced is None else sliced
+        deliver(core, grads, variables, core.options)
+
+    accumulators = [state.accumulators[i] for i in included]
+    update = Update(
+        ends=ends,
+        accumulators=accumulators,
+        divided=[not state.keeps_maximum(i) for i in included],
+        divisor=divisor,
+        apply=apply,
+        family=core.family,
+        variables=state.variables,
+        taking_part=variables,
+        conditions=conditions,
+    )
+    backend.finish(update, core.settings.mode)
+    if core.family.grows:
+        # A step traced before an accumulator was added cannot zero it on
+        # a cycle's first micro-step; the end of a cycle does instead.
+        backend.zero_if(ends, accumulators)
+
+
+def deliver(core: Any, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+    """Hands a whole update's gradients to the wrapped optimizer.
+
+    Clips them first as one device training on the large batch would: AGC
+    (if set) on the gradient summed over replicas and unscaled, then, under
+    several replicas where the optimizer would clip each replica's share,
+    its own clipping of that sum. Used for the accumulated mean, and with
+    `n=1` for the gradients as they come.
+    """
+    grads = list(grads)
+    family, agc, backend = core.family, core.agc, core.backend
+    replicas = backend.replicas()
+    clip = family.replica_clip() if replicas > 1 else None
+    if agc is not None or clip is not None:
+        scale = family.gradient_scale()
+
+        def clip_sum(summed: list[Any]) -> list[Any]:
+            if agc is not None:
+                summed = agc.clip(summed, variables, scale)
+            return summed if clip is None else clip(summed)
+
+        grads = backend.clip_as_one_device(grads, clip_sum) if replicas > 1 else clip_sum(grads)
+    family.apply(grads, variables, options)
+
+
+def _divisor(core: Any) -> Any:
+    """The mean's divisor, the weight total (None for `"sum"`).
+
+    Unweighted, each replica divides its sum by its own micro-batch count
+    and the wrapped optimizer's all-reduce adds the replicas' shares, as
+    in plain training. Weighted, the divisor is the weight total over all
+    replicas (one scalar all-reduce) divided by the replica count, since
+    Keras already scales every replica's loss by 1 / replicas. Read
+    outside any branch: the all-reduce must not run inside one.
+    """
+    if core.settings.reduction == "sum":
+        return None
+    total = core.backend.read(core.state.weight_total)
+    replicas = core.backend.replicas()
+    if core.weighted and replicas > 1:
+        total = core.backend.sum_over_replicas(total) / float(replicas)
+    # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
+    return ops.where(total > 0, total, ops.ones_like(total))
+
+
+def _warn_untouched(core: Any, variables: list[Any]) -> None:
+    """Warns once per optimizer that variables without a gradient in this
+    step may get an update in a cycle that gives them none."""
+    if core.warned_untouched:
+        return
+    core.warned_untouched = True
+    warnings.warn(
+        f"gradaccum: variables {[variable_name(v) for v in variables]} receive no gradient in "
+        "this step. Where they receive none in a whole cycle, the large batch leaves them and "
+        f"their optimizer state alone; with this optimizer ({core.family.name}) on this backend "
+        "the cycle's update gives them a zero gradient instead, so momentum, Adam's moments and "
+        "weight decay still move them. Keras 3 optimizers on TensorFlow and PyTorch leave them "
+        "alone.",
+        stacklevel=5,
+    )
