@@ -23,6 +23,7 @@ of both (`Kept.read`), divided by the mean's divisor:
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,7 @@ class Kept:
         # Slices loaded before the parts they belong to existed.
         self._pending: dict[str, np.ndarray] | None = None
         self._warned: set[str] = set()
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------
     # A micro-step.
@@ -77,7 +79,10 @@ class Kept:
         """Keeps a micro-step's slices, weighted by `weight`."""
         parts = growth.split(grad, keep_all=self._keep_all)
         if parts is None:
-            self._add_eagerly(grad, weight, first)
+            # Eagerly, a strategy's replicas run this in threads of their
+            # own, and the kinds and buffers they decide on are shared.
+            with self._lock:
+                self._add_eagerly(grad, weight, first)
             return
         xla = tensors.compiled_by_xla()
         with tf.init_scope():
@@ -193,7 +198,7 @@ class Kept:
             self._create(GROWS, count)
             grown = self.parts[GROWS]
         grown.hold(fixed.held())
-        fixed.forget_if(tf.constant(True))
+        fixed.hold([(v[:0], i[:0]) for v, i in fixed.held()])  # every replica's: all moved
         grown.write(values, indices, False, self._n_now())
 
     # ------------------------------------------------------------------
