@@ -41,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 VARIANTS = ("plain large", "plain micro", "masked", "skip", "keras")
@@ -135,7 +136,10 @@ def child(args: argparse.Namespace) -> dict:
     if args.equivalence:
         model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
         end = [np.array(keras.ops.convert_to_numpy(w)) for w in model.trainable_weights]
-        return {"start": [a.tolist() for a in start], "end": [a.tolist() for a in end]}
+        # A file, not JSON: the weights are tens of millions of numbers.
+        path = os.path.join(tempfile.mkdtemp(), "weights.npz")
+        np.savez(path, *start, *end)
+        return {"weights": path, "count": len(start)}
     model.fit(x[: micro * args.n * 2], y[: micro * args.n * 2], batch_size=batch, shuffle=False, verbose=0)
     _reset_peak(backend)
     _sync(backend, model)
@@ -207,11 +211,34 @@ def _has_cuda(backend: str) -> bool:
 
 
 def report(backend: str, args: argparse.Namespace) -> None:
+    import numpy as np
+
+    # Equivalence first: it is the figure a run cut short must not lose.
+    print(f"\n{backend}: equivalence in float32 (largest weight difference / "
+          "largest weight movement of the large batch):", flush=True)
+
+    def weights(variant: str) -> tuple[list, list]:
+        done = _run_child(backend, variant, args, equivalence=True)
+        with np.load(done["weights"]) as saved:
+            arrays = [saved[f"arr_{i}"] for i in range(2 * done["count"])]
+        return arrays[: done["count"]], arrays[done["count"]:]
+
+    start, end = weights("plain large")
+    movement = max(float(np.max(np.abs(e - s))) for e, s in zip(end, start))
+    for variant in ("masked", "skip", "keras"):
+        other = weights(variant)[1]
+        difference = max(float(np.max(np.abs(a - b))) for a, b in zip(other, end))
+        print(f"  {variant}: {difference / movement:.2e}", flush=True)
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(args.rounds):
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
-            results[variant].append(_run_child(backend, variant, args))
+            result = _run_child(backend, variant, args)
+            results[variant].append(result)
+            # As it comes: a run cut short still leaves its figures.
+            peak = "n/a" if result["peak"] is None else f"{result['peak'] / 2**20:.0f} MiB"
+            print(f"  {backend} round {r} {variant}: {result['us_per_sample']:.0f} us/sample, peak {peak}",
+                  flush=True)
     params = results["plain micro"][0]["params"]
     base_peak = statistics.median(x["peak"] or 0 for x in results["plain micro"])
     print(f"\n{backend}: {args.layers} blocks, d={args.d_model}, {params / 4 / 1e6:.1f}M parameters, "
@@ -227,17 +254,6 @@ def report(backend: str, args: argparse.Namespace) -> None:
         print(f"| {variant} | {median[variant]:.0f} [{min(times):.0f}-{max(times):.0f}] | "
               f"{median[variant] / median['plain micro']:.3f} | {median[variant] / median['keras']:.3f} | "
               f"{'n/a' if peak is None else f'{peak / 2**20:.0f}'} | {extra} |")
-    print("\nEquivalence in float32 (largest weight difference / largest weight movement of the large batch):")
-    import numpy as np
-
-    large = _run_child(backend, "plain large", args, equivalence=True)
-    start = [np.asarray(a) for a in large["start"]]
-    end = [np.asarray(a) for a in large["end"]]
-    movement = max(float(np.max(np.abs(e - s))) for e, s in zip(end, start))
-    for variant in ("masked", "skip", "keras"):
-        other = [np.asarray(a) for a in _run_child(backend, variant, args, equivalence=True)["end"]]
-        difference = max(float(np.max(np.abs(a - b))) for a, b in zip(other, end))
-        print(f"  {variant}: {difference / movement:.2e}")
 
 
 def main() -> None:
