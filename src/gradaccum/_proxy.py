@@ -91,7 +91,8 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
         a trace warns; on TensorFlow, running that function then raises).
         Set mid-cycle, the current cycle ends on the first micro-step at
         which it holds at least the new `n` micro-batches, and applies the
-        mean over all of them.
+        mean over all of them. On TensorFlow under XLA, buffers of kept
+        `tf.IndexedSlices` grow at once to hold a cycle of the new `n`.
 
         Raises:
             TypeError: When set to anything but an int (bools included).
@@ -206,9 +207,17 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Any]], weight: Any = None, **kwargs: Any) -> Any:
         """Accumulates one micro-batch of gradients; applies every `n`-th.
 
+        A variable that receives no gradient on any micro-step of a cycle
+        (a frozen layer, a branch not taken) gets no update in that cycle
+        and its optimizer state does not change, as in the large batch;
+        where a step cannot leave it out (a step traced by `jax.jit`, a
+        tf_keras optimizer in a traced step) it gets a zero gradient, and
+        a `UserWarning` says so once per optimizer.
+
         Args:
             grads_and_vars: `(gradient, variable)` pairs. A gradient may be
-                `None` (counted as zeros) or a `tf.IndexedSlices`.
+                `None` (counted as zeros in the cycle's sum) or a
+                `tf.IndexedSlices` (kept as the `sparse` setting says).
             weight: Optional weight of this micro-batch (a number >= 0 or a
                 scalar tensor), for example its sample or token count. The
                 update applies `sum(w_i * g_i) / sum(w_i)` (`"mean"`) or
@@ -235,8 +244,11 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None, weight: Any = None) -> Any:
         """Accumulates one micro-batch of gradients; applies every `n`-th.
 
+        Variables without a gradient: see `apply_gradients`.
+
         Args:
-            grads: One gradient per variable (`None` counts as zeros).
+            grads: One gradient per variable (`None` counts as zeros in the
+                cycle's sum).
             trainable_variables: The variables, in the order of `grads`; if
                 omitted, those the optimizer was built with.
             weight: Optional weight of this micro-batch; see `apply_gradients`.
@@ -248,8 +260,13 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
             TypeError: If `weight` is not a number or scalar tensor.
             ValueError: If a variable is not one the optimizer was built for
                 (and cannot be added to it, see `build`), if `grads` does not
-                match the built variables, if every gradient is `None`, or if
-                `weight` is negative or not finite.
+                match the built variables, if a gradient's shape is not its
+                variable's (the message names the variable), if every
+                gradient is `None`, if `weight` is negative or not finite, or
+                if a variable's kept `tf.IndexedSlices` cannot be continued
+                exactly (a dense gradient after kept slices in one cycle, a
+                partial cycle loaded in another layout; see the sparse
+                guide).
         """
         return self._self_runner.apply(grads, trainable_variables, weight)
 
@@ -257,7 +274,8 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
     def variables(self) -> Any:
         """The wrapped optimizer's variables; on JAX and PyTorch followed by
         the accumulation state's (the accumulators, the micro-step counter,
-        the weight total and an int `n`), so that `model.fit` on JAX carries
+        the weight total, an int `n`, and which variables received a
+        gradient in the current cycle), so that `model.fit` on JAX carries
         them from step to step as it carries the optimizer's."""
         return self._self_runner.variables
 

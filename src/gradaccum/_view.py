@@ -27,11 +27,15 @@ class AccumulationState(NamedTuple):
             TensorFlow, int32 on JAX and PyTorch).
         weight_total: The sum of the micro-batch weights in the current
             cycle (each unweighted micro-batch weighs 1); replica-local.
-        kept_slices: With `sparse="slices"`, the current cycle's
-            `tf.IndexedSlices` of each variable that received them, by its
-            position in `variables`: a `(values, indices)` pair of
-            variables whose first dimension grows by each micro-step's
-            slice count (their `accumulators` entry stays zero).
+        kept_slices: On TensorFlow, unless `sparse="rows"`: the current
+            cycle's `tf.IndexedSlices` of each variable whose slices are
+            kept, by its position in `variables`, as a `(values, indices)`
+            pair of tensors, undivided, every replica's together: slices
+            summed over the cycle first (one per index, a position
+            embedding's), then those kept side by side (a token
+            embedding's, `micro_step` times a micro-step's slices). A
+            snapshot taken eagerly, empty inside a traced function; the
+            variable's `accumulators` entry stays zero.
     """
 
     variables: tuple[Any, ...]
