@@ -22,11 +22,11 @@ import wrapt
 from gradaccum import _backend, _patches, _persistence
 from gradaccum._direct import Direct
 from gradaccum._loss_scale import LossScaled
-from gradaccum._settings import Settings
+from gradaccum._settings import Settings, SettingsView
 from gradaccum._view import AccumulationState
 
 
-class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
+class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectProxy):
     """A Keras optimizer that applies one update every `n` micro-batches.
 
     The proxy is the wrapped optimizer to everyone else: `isinstance`,
@@ -109,41 +109,6 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
             # Kept slices that XLA cannot grow while a step runs hold a
             # cycle of the new length from now on.
             state.reserve_kept()
-
-    @property
-    def reduction(self) -> str:
-        """`"mean"` or `"sum"`: how the micro-gradients are combined."""
-        return self._self_core.settings.reduction
-
-    @property
-    def mode(self) -> str:
-        """`"masked"` or `"skip"`: when the wrapped optimizer's update runs."""
-        return self._self_core.settings.mode
-
-    @property
-    def weigh_by(self) -> str:
-        """`"count"` or `"batch"`: what a `model.fit` micro-batch weighs."""
-        return self._self_core.settings.weigh_by
-
-    @property
-    def sparse(self) -> str:
-        """`"auto"`, `"rows"` or `"slices"`: how `tf.IndexedSlices` gradients are kept."""
-        return self._self_core.settings.sparse
-
-    @property
-    def agc(self) -> float | None:
-        """Adaptive gradient clipping's factor, or None (off)."""
-        return self._self_core.settings.agc
-
-    @property
-    def agc_eps(self) -> float:
-        """The smallest weight norm an AGC cap is computed from."""
-        return self._self_core.settings.agc_eps
-
-    @property
-    def agc_exclude(self) -> Any:
-        """What AGC leaves out: None, a predicate, or variables and paths."""
-        return self._self_core.settings.agc_exclude
 
     @property
     def micro_step(self) -> Any:

@@ -124,3 +124,46 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "agc_eps": _validation.check_agc_eps,
     "agc_exclude": _validation.check_agc_exclude,
 }
+
+
+class SettingsView:
+    """The settings an accumulating optimizer shows, read-only (its
+    `_self_core` holds them); `n`, which can be set, is the optimizer's own.
+    """
+
+    _self_core: Any
+
+    @property
+    def reduction(self) -> str:
+        """`"mean"` or `"sum"`: how the micro-gradients are combined."""
+        return self._self_core.settings.reduction
+
+    @property
+    def mode(self) -> str:
+        """`"masked"` or `"skip"`: when the wrapped optimizer's update runs."""
+        return self._self_core.settings.mode
+
+    @property
+    def weigh_by(self) -> str:
+        """`"count"` or `"batch"`: what a `model.fit` micro-batch weighs."""
+        return self._self_core.settings.weigh_by
+
+    @property
+    def sparse(self) -> str:
+        """`"auto"`, `"rows"` or `"slices"`: how `tf.IndexedSlices` gradients are kept."""
+        return self._self_core.settings.sparse
+
+    @property
+    def agc(self) -> float | None:
+        """Adaptive gradient clipping's factor, or None (off)."""
+        return self._self_core.settings.agc
+
+    @property
+    def agc_eps(self) -> float:
+        """The smallest weight norm an AGC cap is computed from."""
+        return self._self_core.settings.agc_eps
+
+    @property
+    def agc_exclude(self) -> Any:
+        """What AGC leaves out: None, a predicate, or variables and paths."""
+        return self._self_core.settings.agc_exclude

@@ -79,9 +79,7 @@ class Kept:
         """Keeps a micro-step's slices, weighted by `weight`."""
         parts = growth.split(grad, keep_all=self._keep_all)
         if parts is None:
-            # Eagerly, a strategy's replicas run this in threads of their
-            # own, and the kinds and buffers they decide on are shared.
-            with self._lock:
+            with self._lock:  # eagerly, a strategy's replicas are threads
                 self._add_eagerly(grad, weight, first)
             return
         xla = tensors.compiled_by_xla()
