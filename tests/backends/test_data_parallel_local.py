@@ -310,3 +310,26 @@ def test_model_parallel_whose_batch_axis_is_data_parallel():
     assert max(outside) < 8, outside
     assert sum(e for e in inside if e >= parameters) == parameters, inside
     assert_states_close(full_state(reference, reference_opt), full_state(model, opt))
+
+
+def test_a_file_saved_mid_cycle_resumes_under_the_distribution(tmp_path):
+    """Keras files hold each device-local accumulator's sum over devices;
+    loaded, the sum goes into the first device's entry."""
+    x, y = make_data(B * N * 3)
+    reference = make_mlp()
+    reference_opt = keras.optimizers.Adam(1e-2)
+    fit(reference, reference_opt, x, y, B * N)
+    half = B * (N + N // 2)  # a cycle and a half
+    path = tmp_path / "mid_cycle.keras"
+    with _distribution().scope(), _per_device():
+        model = make_mlp()
+        opt = accumulate(keras.optimizers.Adam(1e-2), N)
+        fit(model, opt, x[:half], y[:half], B)
+        assert int(opt.micro_step) == N // 2
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        assert int(loaded.optimizer.micro_step) == N // 2
+        local = [v for v in loaded.optimizer.variables if "gradaccum_accumulator" in v.path]
+        assert local and all(v.shape[0] == 2 for v in local)
+        loaded.fit(x[half:], y[half:], batch_size=B, shuffle=False, verbose=0)
+    assert_states_close(full_state(reference, reference_opt), full_state(loaded, loaded.optimizer))
