@@ -333,3 +333,55 @@ def test_a_file_saved_mid_cycle_resumes_under_the_distribution(tmp_path):
         assert local and all(v.shape[0] == 2 for v in local)
         loaded.fit(x[half:], y[half:], batch_size=B, shuffle=False, verbose=0)
     assert_states_close(full_state(reference, reference_opt), full_state(loaded, loaded.optimizer))
+
+
+class _CountingDense(keras.layers.Dense):
+    """A Dense layer whose forward pass changes a non-trainable variable
+    (as BatchNormalization's statistics do) without changing its output."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+    def call(self, inputs, training=None):
+        if training:
+            self.calls.assign_add(1.0)
+        return super().call(inputs)
+
+
+def _counting_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((5,)), _CountingDense(8, activation="tanh", name="hidden0"), keras.layers.Dense(3, name="out"),
+    ], name="mlp")
+
+
+def test_a_forward_pass_that_changes_non_trainable_variables_falls_back_with_a_warning():
+    x, y = make_data(B * N * 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reference, subject, _ = _fit_pair(
+            _counting_mlp, lambda: keras.optimizers.Adam(1e-2), lambda o: accumulate(o, N), x, y, per_device=False,
+        )
+    messages = [str(w.message) for w in caught if FALLBACK in str(w.message)]
+    assert len(messages) == 1 and "non-trainable variables" in messages[0], messages
+    # The counter counts forward passes: micro-batches here, large batches there.
+    assert int(subject.pop("model/hidden0/calls")) == N * int(reference.pop("model/hidden0/calls"))
+    assert_states_close(reference, subject)
+
+
+def test_model_parallel_on_a_2x2_mesh_in_a_process_of_its_own():
+    """Both mesh axes real: the kernels sharded over "model", the batch over
+    "batch" (tests/model_parallel_worker.py, on four host devices)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.model_parallel_worker"], cwd=root, env=env, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

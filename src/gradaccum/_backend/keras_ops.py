@@ -126,9 +126,9 @@ class KerasOpsBackend:
             return [
                 _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v)) for i, v in enumerate(variables)
             ]
+        size = self._axis.size
         made = []
         for i, (v, layout) in enumerate(zip(variables, layouts)):
-            size = int(layout.device_mesh.shape[list(layout.device_mesh.axis_names).index(layout.axes[0])])
             dtype = accumulator_dtype(v)
             accumulator = keras.Variable(
                 np.zeros((size, *v.shape), dtype), dtype=dtype, trainable=False, name=f"gradaccum_accumulator_{i}",
