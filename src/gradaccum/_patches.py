@@ -162,11 +162,15 @@ def install(group: str = "accumulate") -> None:
             return
         import keras
 
-        specs = ACCUMULATE if group == "accumulate" else LAYERS
-        for backend in ("tensorflow", "jax"):
-            if keras.config.backend() != backend:
-                specs = tuple(s for s in specs if f".{backend}." not in s.target)
+        specs = for_backend(ACCUMULATE if group == "accumulate" else LAYERS, keras.config.backend())
         _installed[group] = [Patch.of(spec) for spec in specs]
+
+
+def for_backend(specs: tuple[Spec, ...], backend: str) -> tuple[Spec, ...]:
+    """`specs` without the patches of another backend's trainer (whose
+    module would import that backend)."""
+    others = [b for b in ("tensorflow", "jax") if b != backend]
+    return tuple(s for s in specs if not any(f".{b}." in s.target for b in others))
 
 
 class SharedPatch:
