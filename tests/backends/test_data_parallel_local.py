@@ -247,6 +247,37 @@ def test_custom_stateless_apply_loop_equals_the_large_batch():
     assert_states_close(full_state(reference, reference_opt), full_state(model, opt))
 
 
+def test_a_custom_loop_that_compiles_model_train_step_computes_per_device():
+    """A loop of your own around `jax.jit(model.train_step)` gets the
+    per-device step too, and equals the large batch."""
+    import jax
+    from keras.src.backend.jax.trainer import _distribute_data
+
+    x, y = make_data(B * N * 2)
+    reference = make_mlp()
+    reference_opt = keras.optimizers.Adam(1e-2)
+    fit(reference, reference_opt, x, y, B * N)
+    parameters = sum(int(np.prod(v.shape)) for v in reference.trainable_variables)
+
+    with _distribution().scope(), _per_device():
+        model = make_mlp()
+        opt = accumulate(keras.optimizers.Adam(1e-2), N)
+        model.compile(optimizer=opt, loss="mse")
+        model.build((None, 5))
+        opt.build(model.trainable_variables)
+        groups = (model.trainable_variables, model.non_trainable_variables, opt.variables, model.metrics_variables)
+        state = tuple([v.value for v in group] for group in groups)
+        step = jax.jit(model.train_step)
+        outside, _ = _all_reduces(step.lower(state, _distribute_data((x[:B], y[:B]))).compile().as_text())
+        for start in range(0, len(x), B):
+            _, state = step(state, _distribute_data((x[start:start + B], y[start:start + B])))
+        for group, values in zip(groups, state):
+            for variable, value in zip(group, values):
+                variable.assign(value)
+    assert max(outside) < 8 < parameters, outside
+    assert_states_close(full_state(reference, reference_opt), full_state(model, opt))
+
+
 # ----------------------------------------------------------------------
 # Where the gradients cannot be computed per device.
 
