@@ -171,7 +171,7 @@ class Core:
         grads, variables = check_step_arguments(grads, variables, self.state.variables if self.built else None)
         if not grads:
             return
-        check_gradient_shapes(grads, variables)
+        check_gradient_shapes(grads, variables, self.weights.devices)
         if not self.built:
             self.build(variables)
         state = self.state

@@ -42,11 +42,12 @@ per model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import keras
@@ -256,23 +257,32 @@ def _counting(model: Any, args: tuple, kwargs: dict) -> Core | None:
     return core
 
 
-def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-    """Keras's `Trainer.compute_loss`, handing the loss's count to the
-    model's accumulating optimizer (see the module docstring)."""
-    core = _counting(instance, args, kwargs)
-    if core is None:
-        return wrapped(*args, **kwargs)
+@contextlib.contextmanager
+def recorded() -> Iterator[_Recording]:
+    """Records the counts of the compiled losses computed within the block
+    (in this thread); `combine(recording.counts)` is their weight. The
+    `compute_loss` wrapper hands nothing over meanwhile."""
     recording = _Recording()
     _local.recording = recording
     patches = [_patches.shared("loss.call"), _patches.shared("loss.reduce")]
     for patch in patches:
         patch.acquire()
     try:
-        loss = wrapped(*args, **kwargs)
+        yield recording
     finally:
         for patch in patches:
             patch.release()
         _local.recording = None
+
+
+def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `Trainer.compute_loss`, handing the loss's count to the
+    model's accumulating optimizer (see the module docstring)."""
+    core = _counting(instance, args, kwargs)
+    if core is None:
+        return wrapped(*args, **kwargs)
+    with recorded() as recording:
+        loss = wrapped(*args, **kwargs)
     weight, exact = combine(recording.counts)
     if not exact:
         _warn_inexact(instance, recording.counts)

@@ -13,7 +13,9 @@ is installed on first use, with wrapt's helpers (`resolve_path`,
   `apply_gradients` and `apply`, which then take the micro-batch's `weight=`
   (`gradaccum._loss_scale`); `keras.optimizers.get`, which refuses
   `accumulate(n=...)` given where an optimizer belongs with gradaccum's own
-  error (`gradaccum._api`); and `serialize_keras_object` in every Keras
+  error (`gradaccum._api`); on JAX, `JAXTrainer.train_step`, which computes
+  the gradients per device where the accumulators are device-local
+  (`gradaccum._data_parallel`); and `serialize_keras_object` in every Keras
   module that binds it, so that an accumulating optimizer is written as
   itself (`gradaccum._persistence`).
 - `LAYERS`, when `gradaccum.layers` is imported: Keras's `Trainer.compile`
@@ -76,6 +78,7 @@ ACCUMULATE = (
          "gradaccum._loss_scale:weighted"),
     Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "apply", "gradaccum._loss_scale:weighted"),
     Spec("keras.src.optimizers:", "get", "gradaccum._api:optimizer_get"),
+    Spec("keras.src.backend.jax.trainer:JAXTrainer", "train_step", "gradaccum._data_parallel:train_step"),
     Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving.saving_lib:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving:", "serialize_keras_object", "gradaccum._persistence:serialize"),
@@ -152,17 +155,22 @@ _lock = threading.Lock()
 def install(group: str = "accumulate") -> None:
     """Installs the patches of `ACCUMULATE` (or `"layers"`: `LAYERS`), once.
 
-    A patch of the TensorFlow trainer is left out on other backends.
+    A patch of the TensorFlow or the JAX trainer is left out on other backends.
     """
     with _lock:
         if group in _installed:
             return
         import keras
 
-        specs = ACCUMULATE if group == "accumulate" else LAYERS
-        if keras.config.backend() != "tensorflow":
-            specs = tuple(s for s in specs if ".tensorflow." not in s.target)
+        specs = for_backend(ACCUMULATE if group == "accumulate" else LAYERS, keras.config.backend())
         _installed[group] = [Patch.of(spec) for spec in specs]
+
+
+def for_backend(specs: tuple[Spec, ...], backend: str) -> tuple[Spec, ...]:
+    """`specs` without the patches of another backend's trainer (whose
+    module would import that backend)."""
+    others = [b for b in ("tensorflow", "jax") if b != backend]
+    return tuple(s for s in specs if not any(f".{b}." in s.target for b in others))
 
 
 class SharedPatch:

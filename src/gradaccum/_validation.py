@@ -211,9 +211,11 @@ def _dims(shape: Any) -> list[int | None] | None:
     return [None if d is None else int(d) for d in shape]
 
 
-def check_gradient_shapes(grads: list[Any], variables: list[Any]) -> None:
+def check_gradient_shapes(grads: list[Any], variables: list[Any], devices: int = 0) -> None:
     """Refuses a gradient whose shape is not its variable's, naming the
-    variable (dimensions unknown while tracing are not compared).
+    variable (dimensions unknown while tracing are not compared). With
+    `devices`, each gradient has a leading axis of that many entries, one per
+    device (each device's own gradient), before its variable's shape.
 
     Raises:
         ValueError: For the first such gradient.
@@ -224,6 +226,8 @@ def check_gradient_shapes(grads: list[Any], variables: list[Any]) -> None:
         slices = type(grad).__name__ == "IndexedSlices"  # TensorFlow's, without importing it
         got = _dims(grad.values.shape if slices else grad.shape)
         expected = _dims(variable.shape)
+        if devices and expected is not None:
+            expected = [devices, *expected]
         if got is None or expected is None:
             continue
         if slices:  # `tf.IndexedSlices`: rows of the variable

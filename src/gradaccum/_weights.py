@@ -31,6 +31,11 @@ class Weights:
         # Loss counts handed over for the next micro-step, by replica: each
         # replica computes its loss and applies in a thread of its own.
         self._counts: dict[int, Any] = {}
+        # Devices the next micro-step's gradients have an entry for (see
+        # `per_device_next`); 0 for gradients of their variables' shape.
+        self._devices_next = 0
+        # The same for the micro-step running now (`take` sets it).
+        self.devices = 0
 
     @contextlib.contextmanager
     def weighing(self, weight: Any) -> Iterator[None]:
@@ -66,6 +71,17 @@ class Weights:
         else:
             self._counts[replica] = count
 
+    def per_device_next(self, weights: Any) -> None:
+        """Hands the next micro-step one weight per device, for gradients
+        that are each device's own: a leading axis of one entry per device
+        (`gradaccum._data_parallel`). Used once, as `count_next`'s count.
+
+        Args:
+            weights: A float32 vector, one entry per device.
+        """
+        self._counts[self._backend.replica_id()] = weights
+        self._devices_next = int(weights.shape[0])
+
     def _check_value(self, weight: Any) -> None:
         backend = self._backend
         if backend.host_counters:
@@ -92,6 +108,7 @@ class Weights:
         if weight is None:
             weight = self._handed.pop(self._backend.replica_id(), None)
         count = self._counts.pop(self._backend.replica_id(), None)
+        self.devices, self._devices_next = self._devices_next, 0
         if count is not None and not self._backend.usable_here(count):
-            count = None
+            count, self.devices = None, 0
         return weight, count

@@ -12,7 +12,8 @@ are two:
   replicas) or skipped (a branch decided in cross-replica context).
 - `keras_ops.KerasOpsBackend` (`keras_ops.py`), for JAX, written with Keras
   ops: `keras.Variable`s that travel in the optimizer's `variables`, and
-  `jax.lax.cond` where JAX traces.
+  `jax.lax.cond` where JAX traces; under a `keras.distribution` that splits
+  the batch, device-local accumulators (`device_local.py`).
 - `pytorch.TorchBackend` (`pytorch.py`), its subclass for PyTorch: in-place,
   fused multi-tensor writes, and the cycle's position kept on the host, so
   that a micro-step reads nothing back from the device.

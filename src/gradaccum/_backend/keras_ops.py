@@ -10,7 +10,10 @@ eagerly and writes in place.
 Neither has `tf.distribute`: there is one replica, and the update holds no
 communication (JAX's compiled step averages the gradients over devices
 before the optimizer runs), so `mode` changes nothing here: the update runs
-only on the step that ends a cycle, in both modes.
+only on the step that ends a cycle, in both modes. Under a JAX
+`keras.distribution` the accumulators may be device-local instead
+(`gradaccum._backend.device_local`): each device adds its own gradients, and
+the update sums the devices' entries, the one all-reduce of the cycle.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope, in_stateless_scope
 
-from gradaccum._backend import StateVariables, Update
+from gradaccum._backend import StateVariables, Update, device_local
 
 
 def is_traced(value: Any) -> bool:
@@ -97,6 +100,13 @@ class KerasOpsBackend:
     # The cycle's position is read from the device (see the PyTorch hooks).
     host_counters = False
 
+    def __init__(self) -> None:
+        # Device-local accumulators (by id): their number of devices.
+        self.local: dict[int, int] = {}
+        # Why the accumulators are not device-local under a distribution.
+        self.why_not_local: str | None = None
+        self._axis: device_local.DataAxis | None = None
+
     # ------------------------------------------------------------------
     # State.
 
@@ -111,9 +121,54 @@ class KerasOpsBackend:
 
     def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
         # No family here grows (see `OptimizerFamily.grows`): this makes them all.
-        return [
-            _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v)) for i, v in enumerate(variables)
-        ]
+        layouts = self._local_layouts(variables)
+        if layouts is None:
+            return [
+                _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v)) for i, v in enumerate(variables)
+            ]
+        size = self._axis.size
+        made = []
+        for i, (v, layout) in enumerate(zip(variables, layouts)):
+            dtype = accumulator_dtype(v)
+            accumulator = keras.Variable(
+                np.zeros((size, *v.shape), dtype), dtype=dtype, trainable=False, name=f"gradaccum_accumulator_{i}",
+                layout=layout,
+            )
+            self.local[id(accumulator)] = size
+            made.append(accumulator)
+        return made
+
+    def _local_layouts(self, variables: Sequence[Any]) -> list[Any] | None:
+        """Each accumulator's device-local layout, or None (all or none: the
+        train step computes every gradient per device, or none)."""
+        axis, self.why_not_local = device_local.data_axis()
+        self._axis = axis
+        if axis is None:
+            return None
+        layouts = []
+        for v in variables:
+            if getattr(v, "overwrite_with_gradient", False):
+                self.why_not_local = f"variable {v.path!r} keeps the maximum of its gradients, not a sum"
+                return None
+            layout, self.why_not_local = device_local.stacked_layout(v, axis)
+            if layout is None:
+                return None
+            layouts.append(layout)
+        return layouts
+
+    def local_axis(self) -> device_local.DataAxis | None:
+        """The mesh axis the device-local accumulators are split over, as
+        long as the active distribution splits the batch over it; else None."""
+        if not self.local or self._axis is None:
+            return None
+        axis, _ = device_local.data_axis()
+        same = axis is not None and (axis.name, axis.size) == (self._axis.name, self._axis.size)
+        return axis if same else None
+
+    def local_devices(self, accumulator: Any) -> int:
+        """The devices a device-local accumulator has an entry for; 0 for
+        one of its variable's shape."""
+        return self.local.get(id(accumulator), 0)
 
     def listed(self, state: Any) -> list[Any]:
         own = [*state.accumulators, state.micro_step, state.weight_total]
@@ -157,10 +212,12 @@ class KerasOpsBackend:
         return not in_stateless_scope() and not is_traced(variable.value)
 
     def saved(self, variable: Any, maximum: bool) -> np.ndarray:
-        return np.asarray(ops.convert_to_numpy(variable))
+        value = np.asarray(ops.convert_to_numpy(variable))
+        return value.sum(axis=0) if id(variable) in self.local else value
 
     def load(self, variable: Any, value: np.ndarray, maximum: bool) -> None:
-        variable.assign(value)
+        size = self.local.get(id(variable))
+        variable.assign(value if size is None else device_local.stacked(value, size))
 
     # ------------------------------------------------------------------
     # A micro-step.
@@ -170,8 +227,19 @@ class KerasOpsBackend:
         # XLA writes into the accumulator's own buffer.
         for accumulator, grad in zip(accumulators, grads):
             grad = ops.cast(grad, accumulator.dtype)
+            size = self.local.get(id(accumulator))
+            if size is not None and len(grad.shape) < len(accumulator.shape):
+                # A gradient already summed over the devices (a custom loop,
+                # or a step that cannot compute them per device): it counts
+                # once, in the first device's entry. Multiplying by 0 and 1
+                # keeps it exact, and moves nothing between devices.
+                first_entry = ops.reshape(ops.one_hot(0, size, dtype=grad.dtype), (size,) + (1,) * len(grad.shape))
+                grad = first_entry * grad[None]
             if weight is not None:
-                grad = grad * ops.cast(weight, accumulator.dtype)
+                scale = ops.cast(weight, accumulator.dtype)
+                if len(scale.shape) == 1:  # one weight per device
+                    scale = ops.reshape(scale, (-1,) + (1,) * (len(grad.shape) - 1))
+                grad = grad * scale
             if is_traced(first):
                 accumulator.assign(ops.where(first, grad, accumulator.value + grad))
             else:
@@ -183,6 +251,10 @@ class KerasOpsBackend:
 
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         value = ops.cast(value, total.dtype)
+        if len(value.shape) == 1:
+            # One weight per device: the micro-batch's is their sum (a
+            # scalar all-reduce, as the step's loss has anyway).
+            value = ops.sum(value)
         total.assign(ops.where(first, value, total.value + value))
 
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
@@ -211,11 +283,13 @@ class KerasOpsBackend:
             # while the update runs).
             if bool(update.ends):
                 update.apply([
-                    self._divide_in_place(a, divisor) if d and divisor is not None else a.value
+                    self._divide_in_place(a, divisor) if d and divisor is not None else self._total(a, a.value)
                     for a, d in zip(accumulators, divided)
                 ])
             return
         # Read here: the branch below sees only the variables it writes.
+        # Device-local ones are summed inside it, so that their all-reduce
+        # runs only on the step that ends the cycle.
         sums = [a.value for a in accumulators]
         family = update.family
         model = list(family.trainable_variables())
@@ -223,8 +297,9 @@ class KerasOpsBackend:
         watched = model + [v for v in family.state_variables() if id(v) not in known]
 
         def apply() -> None:
+            totals = [self._total(a, s) for a, s in zip(accumulators, sums)]
             update.apply([
-                quotient(s, divisor) if d and divisor is not None else s for s, d in zip(sums, divided)
+                quotient(s, divisor) if d and divisor is not None else s for s, d in zip(totals, divided)
             ])
 
         # Traced by JAX, both modes run the update in a `jax.lax.cond`: a
@@ -232,7 +307,14 @@ class KerasOpsBackend:
         # on the CPU six times the update itself (benchmarks/RESULTS.md).
         run_if(update.ends, apply, watched)
 
+    def _total(self, accumulator: Any, value: Any) -> Any:
+        """The sum over devices of a device-local accumulator's `value` (the
+        all-reduce); `value` itself for any other."""
+        return ops.sum(value, axis=0) if id(accumulator) in self.local else value
+
     def _divide_in_place(self, accumulator: Any, divisor: Any) -> Any:
+        if id(accumulator) in self.local:
+            return quotient(self._total(accumulator, accumulator.value), divisor)
         accumulator.assign(quotient(accumulator.value, divisor))
         return accumulator.value
 
