@@ -6,7 +6,7 @@ JAX's coordinator; the CPU collectives run over loopback too), waits for
 both under one deadline, killing both on timeout or failure, and compares
 what each trained with a reference trained here on one device: the plain
 optimizer on the large batch, same initial weights, same data order.
-Run by the `keras3-jax-multiprocess` tox environment.
+Run by the `keras3-jax` tox environment.
 """
 
 from __future__ import annotations
