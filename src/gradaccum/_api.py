@@ -24,6 +24,9 @@ def accumulate(
     agc: float | None = None,
     agc_eps: float = 1e-3,
     agc_exclude: Callable[[Any], bool] | Sequence[Any] | None = None,
+    noise_scale: bool = False,
+    noise_decay: float = 0.9,
+    accumulator_dtype: str = "float32",
 ) -> AccumulatingOptimizer | Decorator:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -87,6 +90,20 @@ def accumulate(
             list of variables and variable paths (`"dense_1/kernel"`; for
             tf_keras the variable's name). Configs save a list as paths; a
             predicate is saved as Keras saves a function.
+        noise_scale: Whether to measure the gradient noise scale
+            B_simple = tr(Σ) / |G|² (McCandlish et al. 2018, appendix A.1)
+            from each cycle's micro-gradients (default False). Read it as
+            `opt.noise_scale`, in the units of the micro-batch weight
+            (samples for `fit`'s mean losses, tokens for a masked loss
+            weighed by its count, micro-batches where unweighted); see the
+            README. Needs `reduction="mean"` and `sparse="rows"`.
+        noise_decay: The decay of the exponential moving averages of the
+            estimates of |G|² and tr(Σ), a number in [0, 1) (default 0.9:
+            about the last ten cycles; 0: the latest cycle only).
+        accumulator_dtype: `"float32"` (default; float64 for float64
+            variables) or `"bfloat16"`: bfloat16 accumulators with
+            compensated (Kahan) summation, for bfloat16 models (see
+            docs/accumulator-dtype.md for its memory and error).
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -100,7 +117,12 @@ def accumulate(
             `agc_exclude` is given without `agc`,
             `optimizer` already accumulates gradients, or the active Keras
             backend cannot train (numpy, openvino).
-        TypeError: If `agc`, `agc_eps` or `agc_exclude` has the wrong type.
+        TypeError: If `agc`, `agc_eps` or `agc_exclude` has the wrong type,
+            `noise_scale` is not a bool, `noise_decay` not a number or
+            `accumulator_dtype` not a string.
+        ValueError: If `noise_decay` is outside [0, 1), `accumulator_dtype`
+            is unknown, or `noise_scale=True` with `reduction="sum"` or
+            `sparse="slices"`.
     """
     # Every argument but the optimizer is a setting, checked once, here.
     given = {name: value for name, value in locals().items() if name != "optimizer"}

@@ -40,6 +40,7 @@ from gradaccum import _agc
 from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
 from gradaccum._cycle_end import deliver, end_cycle
+from gradaccum._noise import Noise
 from gradaccum._settings import Settings
 from gradaccum._state import State, variable_name
 from gradaccum._validation import check_gradient_shapes, check_step_arguments
@@ -130,6 +131,8 @@ class Core:
         self.backend.check_build(self.family, self.settings.sparse)
         n = None if self.cycle.schedule is not None else self.cycle.value
         state = State(self.backend, self.family, variables, n)
+        if self.settings.noise_scale:
+            state.noise = Noise(self.backend, self.family, self.settings.noise_decay)
         self.cycle.attach(state.n)
         self.state = state
         self._on_built(state)
@@ -236,6 +239,7 @@ class Core:
             if not isinstance(weight, float):
                 weight = ops.cast(weight, "float32")
         given = set()
+        measured = []  # the gradients whose norm the noise scale takes
         dense: tuple[list[Any], list[Any]] = ([], [])
         for g, i in zip(grads, indices):
             if g is None:
@@ -259,9 +263,13 @@ class Core:
                     )
                 dense[0].append(accumulator)
                 dense[1].append(g)
+            if not state.keeps_maximum(i):
+                measured.append(g)
             given.add(i)
             state.participants.add(i)
         backend.add_into(*dense, weight, first)
+        if state.noise is not None:
+            state.noise.add(measured, weight, first)
         if first is not False:  # False: a later micro-step known on the host
             # Every other accumulator: the last cycle's sums must not count in
             # this one. Not only those of variables taking part when this step
@@ -271,6 +279,22 @@ class Core:
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
         state.mark_touched(given, first)
         return given
+
+    def noise_scale(self) -> float | None:
+        """The latest noise-scale estimate (reads the device), or None
+        before a cycle has been measured.
+
+        Raises:
+            ValueError: If the noise scale is not measured.
+        """
+        if not self.settings.noise_scale:
+            raise ValueError(
+                "The gradient noise scale is not measured: wrap the optimizer with "
+                "accumulate(optimizer, n, noise_scale=True)."
+            )
+        noise = None if self.state is None else self.state.noise
+        values = None if noise is None else noise.read()
+        return None if values is None else values["noise_scale"]
 
     def flush(self) -> None:
         """Applies what the current cycle holds now, if anything: the
@@ -305,7 +329,7 @@ class Core:
         positions this micro-step gave a gradient (None for `flush`)."""
         backend, state = self.backend, self.state
         if ends is not False:  # False: an in-between micro-step known on the host
-            end_cycle(self, ends, given)
+            end_cycle(self, ends, steps, given)
         if backend.host_counters:
             state.host_micro_step = 0 if ends else steps
             if ends and state.host_applied is not None:

@@ -20,8 +20,10 @@ from gradaccum._backend import Update
 from gradaccum._state import variable_name
 
 
-def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
-    """Hands the backend `core`'s cycle update, to take effect if `ends`.
+def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
+    """Hands the backend `core`'s cycle update, to take effect if `ends`
+    (after the cycle of `steps` micro-steps is measured, if the noise
+    scale is: before the update divides the accumulators).
 
     A variable that received no gradient in the whole cycle takes no
     part in it, as in the large batch: left out where that is known on
@@ -66,6 +68,9 @@ def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
         taking_part=variables,
         conditions=conditions,
     )
+    if state.noise is not None:
+        held = [a for i, a in enumerate(state.accumulators) if not state.keeps_maximum(i)]
+        state.noise.measure(ends, steps, held, state.weight_total)
     backend.finish(update, core.settings.mode)
     if core.family.grows:
         # A step traced before an accumulator was added cannot zero it on

@@ -139,6 +139,16 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
         return self._self_core.settings.agc_exclude
 
     @property
+    def noise_scale(self) -> float | None:
+        """The latest gradient noise scale tr(Σ) / |G|², a Python float (see
+        `accumulate(noise_scale=True)`), or None before a cycle has ended.
+
+        Raises:
+            ValueError: If the optimizer was made with `noise_scale=False`.
+        """
+        return self._self_core.noise_scale()
+
+    @property
     def micro_step(self) -> Any:
         """Micro-batches accumulated in the current cycle (an integer tensor)."""
         return self._self_core.micro_step()

@@ -69,6 +69,8 @@ class State:
         # Positions of the variables that have received a gradient: they take
         # part in every update from then on (zeros on micro-steps without one).
         self.participants: set[int] = set()
+        # The gradient noise scale's state (`gradaccum._noise`), if measured.
+        self.noise: Any = None
         # What TensorFlow checkpoints track (`gradaccum._persistence`): it
         # holds the containers above, so that growing them is tracked.
         self.checkpoint: Any = None
@@ -286,12 +288,19 @@ class State:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it
         (settled first, see `settle`)."""
         self.settle()
+        noise = self.noise.read() if self.noise is not None and self._backend.writable_now(self.micro_step) else None
+        noise = noise or {}
         return AccumulationState(
             variables=tuple(self.variables),
             accumulators=tuple(self.accumulators),
             micro_step=self._backend.snapshot(self.micro_step),
             weight_total=self._backend.snapshot(self.weight_total),
             kept_slices=dict(self.kept),
+            noise_scale=noise.get("noise_scale"),
+            gradient_sq=noise.get("gradient_sq"),
+            gradient_trace=noise.get("trace"),
+            noise_batch=noise.get("batch"),
+            noise_cycles=None if not noise else int(noise["cycles"]),
         )
 
     def settle(self) -> None:

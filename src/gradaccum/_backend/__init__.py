@@ -195,6 +195,14 @@ class Backend(Protocol):
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         """`total += value`, or `value` on a cycle's first micro-step."""
 
+    def scalar_variable(self, family: Any, name: str) -> Any:
+        """A float32 scalar variable, 0, each replica's own (read as the sum
+        over replicas), placed as the accumulation state is."""
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        """The float32 scalar sum of squares of every element of `values`
+        (gradients or accumulators; a sparse gradient's values)."""
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         """Zeroes `variables` if the scalar `condition` holds."""
 
@@ -211,8 +219,10 @@ class Backend(Protocol):
     def masks_each(self, family: Any) -> bool:
         """Whether `finish` honours `Update.conditions` for this family."""
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
-        """Runs `fn`, which synchronises nothing, only if `condition`."""
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
+        """Runs `fn`, which synchronises nothing, only if `condition`;
+        `writes`: the variables `fn` writes (a traced branch on JAX returns
+        their new values)."""
 
     def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
         """In a traced step, a run-time assertion of `condition()`, where the

@@ -22,7 +22,7 @@ from typing import Any
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend.common.stateless_scope import StatelessScope, in_stateless_scope
+from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
 
 from gradaccum._backend import StateVariables, Update
 
@@ -79,9 +79,15 @@ def run_if(condition: Any, fn: Callable[[], None], variables: Sequence[Any]) -> 
     import jax
 
     variables = list(variables)
+    # Inside the branch, variables it does not write read as the enclosing
+    # scope has them (`fit`'s values of this step), not as stored.
+    outer = get_stateless_scope() if in_stateless_scope() else None
 
     def taken(values: list[Any]) -> list[Any]:
         with StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+            if outer is not None:
+                for key, value in outer.state_mapping.items():
+                    scope.state_mapping.setdefault(key, value)
             fn()
         return [scope.get_current_value(v) for v in variables]
 
@@ -118,6 +124,8 @@ class KerasOpsBackend:
     def listed(self, state: Any) -> list[Any]:
         own = [*state.accumulators, state.micro_step, state.weight_total]
         own += [v for v in (state.n, state.touched) if v is not None]
+        if state.noise is not None:
+            own += state.noise.variables()
         return own
 
     def check_settings(self, settings: Any) -> None:
@@ -183,6 +191,13 @@ class KerasOpsBackend:
         value = ops.cast(value, total.dtype)
         total.assign(ops.where(first, value, total.value + value))
 
+    def scalar_variable(self, family: Any, name: str) -> Any:
+        return _variable(name, (), "float32")
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        parts = [ops.sum(ops.square(ops.cast(v, "float32"))) for v in values]
+        return ops.sum(ops.stack(parts)) if parts else ops.convert_to_tensor(0.0, "float32")
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         for variable in variables:
             if is_traced(condition):
@@ -234,8 +249,10 @@ class KerasOpsBackend:
         accumulator.assign(quotient(accumulator.value, divisor))
         return accumulator.value
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
-        if bool(condition):
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
+        if is_traced(condition):
+            run_if(condition, fn, writes)
+        elif bool(condition):
             fn()
 
     def assert_that(self, condition: Callable[[], Any], message: str) -> Any:

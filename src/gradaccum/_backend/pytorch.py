@@ -76,6 +76,14 @@ class TorchBackend(KerasOpsBackend):
             else:
                 target.copy_(value)
 
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        # One multi-tensor kernel for every norm, each in float32.
+        tensors = [v.value if hasattr(v, "value") else v for v in values]
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32)
+        with torch.no_grad():
+            return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+
     def zero_if(self, condition: bool, variables: Sequence[Any]) -> None:
         if condition and variables:
             with torch.no_grad():
@@ -101,7 +109,7 @@ class TorchBackend(KerasOpsBackend):
                 values.append(target)
         update.apply(values)
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
         if bool(condition):
             fn()
 

@@ -49,6 +49,8 @@ def checkpoint_class() -> type:
             self.weight_total = state.weight_total
             if state.touched is not None:
                 self.touched = state.touched
+            if state.noise is not None:
+                self.noise = state.noise.variables()
             self.kept_values: dict[str, Any] = {}
             self.kept_indices: dict[str, Any] = {}
             for index, buffers in state.kept.items():

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from gradaccum._noise import NAMES as NOISE_NAMES
 from gradaccum._state import State
 
 KEY = "gradaccum_"
@@ -100,6 +101,10 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
         # Keras stores hold numbers only: UTF-8 bytes, separated by NUL.
         f"{KEY}names": np.frombuffer(names, dtype=np.uint8),
     }
+    if state.noise is not None:
+        # The noise scale's estimates, and its sum of the cycle so far.
+        for name, variable in zip(NOISE_NAMES, state.noise.variables()):
+            values[f"{KEY}noise_{name}"] = np.asarray(backend.saved(variable, False), np.float32)
     for i, accumulator in enumerate(state.accumulators):
         value = backend.saved(accumulator, state.keeps_maximum(i))
         values[f"{KEY}accumulator_{i}"] = value if begun else np.zeros_like(value)
@@ -205,6 +210,10 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
     if state.touched is not None:
         mask = np.array([int(i in touched) for i in range(len(state.accumulators))], np.int32)
         backend.load(state.touched, mask, True)
+    if state.noise is not None:
+        # A file written without the noise scale leaves it unmeasured.
+        for name, variable in zip(NOISE_NAMES, state.noise.variables()):
+            backend.load(variable, np.asarray(values.get(f"{KEY}noise_{name}", 0.0), np.float32), False)
     # Written before weights existed, every micro-batch weighed 1.
     total = values.get(f"{KEY}weight_total", np.asarray(micro_step, np.float32))
     backend.load(state.weight_total, np.asarray(total, np.float32), False)

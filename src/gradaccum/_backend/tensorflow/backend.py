@@ -126,6 +126,13 @@ class TensorFlowBackend:
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         tensors.add_scalar(total, value, first)
 
+    def scalar_variable(self, family: Any, name: str) -> Any:
+        with distribution.creation_scope(family.strategy()):
+            return distribution.replica_local(tf.constant(0.0), name=name)
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        return tensors.squared_norm(values)
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         if variables:
             tensors.zero_if(condition, variables)
@@ -190,7 +197,7 @@ class TensorFlowBackend:
         inputs = [values] if update.divisor is None else [values, update.divisor]
         updates.skipped_update(update.ends, apply, *inputs)
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
         if tf.executing_eagerly():
             if bool(condition):
                 fn()

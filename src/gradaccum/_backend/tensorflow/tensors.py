@@ -148,6 +148,17 @@ def add_scalar(total: tf.Variable, value: Any, first: tf.Tensor) -> None:
     total.assign(select(first, value, total.value() + value), read_value=False)
 
 
+def squared_norm(values: Sequence[Any]) -> tf.Tensor:
+    """The float32 sum of squares of every element of `values` (of a
+    `tf.IndexedSlices`, of its values: repeated rows are not summed first)."""
+    parts = []
+    for v in values:
+        v = v.values if isinstance(v, tf.IndexedSlices) else v
+        v = v.value() if isinstance(v, tf.Variable) else v
+        parts.append(tf.reduce_sum(tf.square(tf.cast(v, tf.float32))))
+    return tf.add_n(parts) if parts else tf.constant(0.0)
+
+
 def any_nonzero(values: Sequence[Any]) -> tf.Tensor:
     """Scalar boolean tensor: some element of some of `values` is not 0."""
     return tf.reduce_any(tf.stack([tf.reduce_any(tf.not_equal(v, 0)) for v in values]))
