@@ -19,7 +19,9 @@ mean micro-batch weight; with equal weights S / W is the plain mean of the
     |G|²  ≈ (k |G_big|² - S / W) / (k - 1).
 
 Each is smoothed by an exponential moving average over cycles (decay
-`noise_decay`, the first cycle's estimate taken as it is), and the noise
+`noise_decay`), started at 0 and divided by the average's total weight
+1 - decay^t after t cycles, as Adam corrects its moments: early on that is
+the plain mean of the cycles so far, later the moving average. The noise
 scale is their ratio B_simple = tr(Σ) / |G|², in the units of the weights.
 
 Under a `tf.distribute` strategy each replica measures its own micro-batches
@@ -39,7 +41,7 @@ from typing import Any
 from keras import ops
 
 # The state's scalars, in the order `variables()` lists them.
-NAMES = ("square_sum", "gradient_sq", "trace", "cycles", "batch")
+NAMES = ("square_sum", "gradient_sq", "trace", "norm", "cycles", "batch")
 
 
 class Noise:
@@ -57,9 +59,11 @@ class Noise:
         made = {name: backend.scalar_variable(family, f"noise_{name}") for name in NAMES}
         # S of the current cycle (see the module docstring).
         self.square_sum = made["square_sum"]
-        # The moving averages of the estimates of |G|² and tr(Σ).
+        # The moving averages of the estimates of |G|² and tr(Σ), and that
+        # of 1 (their total weight, 1 - decay^t), which they are divided by.
         self.gradient_sq = made["gradient_sq"]
         self.trace = made["trace"]
+        self.norm = made["norm"]
         # Cycles measured: 0 until one has been (then no estimate exists).
         self.cycles = made["cycles"]
         # The mean micro-batch weight of the latest cycle measured.
@@ -67,7 +71,7 @@ class Noise:
 
     def variables(self) -> list[Any]:
         """The state's variables, in the order of `NAMES`."""
-        return [self.square_sum, self.gradient_sq, self.trace, self.cycles, self.batch]
+        return [self.square_sum, self.gradient_sq, self.trace, self.norm, self.cycles, self.batch]
 
     def add(self, grads: Sequence[Any], weight: Any, first: Any) -> None:
         """Adds `weight * |g|²` of one micro-step's gradients `grads` to S
@@ -103,12 +107,12 @@ class Noise:
             scale = replicas
             trace = (small - big) * safe / (k - 1.0) * scale
             gradient_sq = (k * big - small) / (k - 1.0) * scale
-            cycles = backend.read(self.cycles)
             measured = total > 0
-            for variable, estimate in ((self.trace, trace), (self.gradient_sq, gradient_sq)):
+            pairs = ((self.trace, trace), (self.gradient_sq, gradient_sq), (self.norm, 1.0 / replicas))
+            for variable, estimate in pairs:
                 old = backend.read(variable)
-                averaged = ops.where(cycles > 0, decay * old + (1.0 - decay) * estimate, estimate)
-                backend.assign(variable, ops.where(measured, averaged, old))
+                backend.assign(variable, ops.where(measured, decay * old + (1.0 - decay) * estimate, old))
+            cycles = backend.read(self.cycles)
             backend.assign(self.cycles, ops.where(measured, cycles + 1.0 / replicas, cycles))
             backend.assign(self.batch, ops.where(measured, total / k, backend.read(self.batch)))
 
@@ -126,6 +130,9 @@ class Noise:
         if round(values["cycles"]) < 1:
             return None
         values["cycles"] = float(round(values["cycles"]))
+        norm = values.pop("norm")  # > 0 once a cycle is measured (decay < 1)
+        values["gradient_sq"] /= norm
+        values["trace"] /= norm
         gradient_sq, trace = values["gradient_sq"], values["trace"]
         values["noise_scale"] = trace / gradient_sq if gradient_sq > 0 else math.inf
         del values["square_sum"]

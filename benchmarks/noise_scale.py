@@ -1,0 +1,72 @@
+"""What measuring the gradient noise scale costs per micro-step, in `fit`.
+
+    KERAS_BACKEND=jax python benchmarks/noise_scale.py
+    KERAS_BACKEND=torch python benchmarks/noise_scale.py --rounds 5
+    python benchmarks/noise_scale.py            # TensorFlow (graph mode)
+
+Two models compiled alike, `accumulate(Adam, n=4)` with `noise_scale` off and
+on, each trained for one epoch of `STEPS` micro-steps per round, the two in
+an order alternating from round to round (the first epoch of each, which
+traces, is not timed). Prints the median time per micro-step of each and the
+median of the per-round ratios on/off, with the range over rounds: ratios in
+one run on one machine, never absolute times compared across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from gradaccum import accumulate  # noqa: E402
+
+N, B, STEPS, WIDTH = 4, 64, 64, 512
+
+
+def _model(noise: bool, jit: bool) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((WIDTH,)),
+        keras.layers.Dense(WIDTH, activation="relu"),
+        keras.layers.Dense(WIDTH, activation="relu"),
+        keras.layers.Dense(WIDTH, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+    opt = accumulate(keras.optimizers.Adam(1e-4), N, noise_scale=noise)
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--jit", action="store_true", help="jit_compile=True (XLA)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B * STEPS, WIDTH)).astype("float32")
+    y = rng.normal(size=(B * STEPS, 10)).astype("float32")
+    models = {"off": _model(False, args.jit), "on": _model(True, args.jit)}
+    for model in models.values():  # traces, builds
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(args.rounds):
+        for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            start = time.perf_counter()
+            models[name].fit(x, y, batch_size=B, shuffle=False, verbose=0)
+            times[name].append((time.perf_counter() - start) / STEPS)
+    ratios = [on / off for on, off in zip(times["on"], times["off"])]
+    print(f"backend={keras.config.backend()} jit={args.jit} n={N} B={B} width={WIDTH} rounds={args.rounds}")
+    for name, values in times.items():
+        print(f"  noise_scale {name:>3}: {1e3 * statistics.median(values):.3f} ms per micro-step")
+    print(f"  ratio on/off: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    print(f"  noise scale measured: {models['on'].optimizer.noise_scale:.1f}")
+
+
+if __name__ == "__main__":
+    main()
