@@ -36,7 +36,7 @@ from typing import Any
 
 from keras import ops
 
-from gradaccum import _agc
+from gradaccum import _agc, _compensated
 from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
 from gradaccum._cycle_end import deliver, end_cycle
@@ -130,7 +130,7 @@ class Core:
     def _build_state(self, variables: list[Any]) -> None:
         self.backend.check_build(self.family, self.settings.sparse)
         n = None if self.cycle.schedule is not None else self.cycle.value
-        state = State(self.backend, self.family, variables, n)
+        state = State(self.backend, self.family, variables, n, self.settings.accumulator_dtype)
         if self.settings.noise_scale:
             state.noise = Noise(self.backend, self.family, self.settings.noise_decay)
         self.cycle.attach(state.n)
@@ -241,6 +241,7 @@ class Core:
         given = set()
         measured = []  # the gradients whose norm the noise scale takes
         dense: tuple[list[Any], list[Any]] = ([], [])
+        compensated: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
         for g, i in zip(grads, indices):
             if g is None:
                 continue
@@ -249,6 +250,10 @@ class Core:
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
                 backend.max_into(accumulator, g, first)
+            elif state.compensated(i):
+                compensated[0].append(accumulator)
+                compensated[1].append(state.compensations[i])
+                compensated[2].append(g)
             elif backend.is_slices(g) and self.settings.sparse == "slices":
                 backend.append_slices(state.slice_buffers(i), g, weight)
             elif backend.is_slices(g):
@@ -268,6 +273,7 @@ class Core:
             given.add(i)
             state.participants.add(i)
         backend.add_into(*dense, weight, first)
+        _compensated.add(backend, *compensated, weight, first)
         if state.noise is not None:
             state.noise.add(measured, weight, first)
         if first is not False:  # False: a later micro-step known on the host
@@ -275,6 +281,7 @@ class Core:
             # this one. Not only those of variables taking part when this step
             # was traced: another trace may have made more take part since.
             missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
+            missing += [c for i, c in enumerate(state.compensations or []) if i not in given]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
         state.mark_touched(given, first)

@@ -50,7 +50,15 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
     variables = [state.variables[i] for i in included]
     kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
 
+    # A compensated sum is `a - c` (`gradaccum._compensated`): divided here
+    # in float32, not in place in bfloat16.
+    compensated = {k: state.compensations[i] for k, i in enumerate(included) if state.compensated(i)}
+
     def apply(values: list[Any]) -> None:
+        values = list(values)
+        for k, compensation in compensated.items():
+            total = ops.cast(values[k], "float32") - ops.cast(backend.read(compensation), "float32")
+            values[k] = total if divisor is None else total / ops.cast(divisor, "float32")
         grads = [ops.cast(v, w.dtype) for v, w in zip(values, variables)]
         for k, buffers in kept.items():
             grads[k] = backend.kept_slices(buffers, variables[k].shape, divisor)
@@ -60,7 +68,7 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
     update = Update(
         ends=ends,
         accumulators=accumulators,
-        divided=[not state.keeps_maximum(i) for i in included],
+        divided=[not state.keeps_maximum(i) and not state.compensated(i) for i in included],
         divisor=divisor,
         apply=apply,
         family=core.family,

@@ -39,17 +39,23 @@ class State:
         family: The wrapped optimizer's family.
         variables: The variables the optimizer is built for, in its order.
         n: The int `n`, or None for a schedule.
+        dtype: The accumulators' dtype, `"float32"` or `"bfloat16"` (then
+            with compensations, see `gradaccum._compensated`).
     """
 
-    def __init__(self, backend: Backend, family: Any, variables: Sequence[Any], n: int | None):
+    def __init__(self, backend: Backend, family: Any, variables: Sequence[Any], n: int | None,
+                 dtype: str = "float32"):
         self._backend = backend
         self._family = family
         self.variables: list[Any] = list(variables)
         self._index = {family.var_key(v): i for i, v in enumerate(self.variables)}
         # Whether each variable keeps its cycle's maximum (`keeps_maximum`).
         self._maxima = [_keeps_maximum(v) for v in self.variables]
-        created = backend.create_state(family, self.variables, n)
+        created = backend.create_state(family, self.variables, n, dtype)
+        self._dtype = dtype
         self.accumulators: list[Any] = created.accumulators
+        # With bfloat16 accumulators, each one's compensation (by position).
+        self.compensations = backend.new_accumulators(family, self.variables, dtype) if dtype == "bfloat16" else None
         self.micro_step = created.micro_step
         self.weight_total = created.weight_total
         self.n = created.n
@@ -114,7 +120,8 @@ class State:
         """
         traced = not self._backend.writable_now(self.micro_step)
         try:
-            accumulators = self._backend.new_accumulators(self._family, variables)
+            accumulators = self._backend.new_accumulators(self._family, variables, self._dtype)
+            compensations = self.compensations and self._backend.new_accumulators(self._family, variables, "bfloat16")
             self._family.grow(variables)  # last: nothing is recorded if a creation fails
         except ValueError as error:
             if not traced:
@@ -135,6 +142,8 @@ class State:
         # Appended to the tracked list: checkpointed as the next positions,
         # and restored there from a checkpoint read before they existed.
         self.accumulators.extend(accumulators)
+        if compensations:
+            self.compensations.extend(compensations)
 
     # ------------------------------------------------------------------
     # Which variables take part.
@@ -215,6 +224,10 @@ class State:
             "received a gradient once (for example run one step per task eagerly "
             "first), or trace this step anew (a new tf.function).",
         )
+
+    def compensated(self, index: int) -> bool:
+        """Whether variable `index` is summed with compensation."""
+        return self.compensations is not None and not self.keeps_maximum(index)
 
     def keeps_maximum(self, index: int) -> bool:
         """Whether variable `index` takes its cycle's maximum, not a mean.
@@ -315,5 +328,5 @@ class State:
         if not self._backend.writable_now(self.micro_step) or self.begun():
             return
         backend = self._backend
-        for v in [*self.accumulators, self.weight_total]:
+        for v in [*self.accumulators, *(self.compensations or []), self.weight_total]:
             backend.load(v, np.zeros_like(backend.saved(v, False)), False)

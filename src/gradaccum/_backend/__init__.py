@@ -82,8 +82,8 @@ class StateVariables(NamedTuple):
     """The variables a backend creates for one optimizer's accumulation.
 
     Attributes:
-        accumulators: One per variable, float32 (float64 for float64
-            variables), zeros.
+        accumulators: One per variable, float32 or bfloat16 (float64 for
+            float64 variables), zeros.
         micro_step: The integer micro-step counter, 0.
         weight_total: The float32 sum of the cycle's micro-batch weights, 0.
         n: The cycle's length for an int `n` (so that setting it needs no
@@ -143,12 +143,17 @@ class Backend(Protocol):
     # counter variable is written (`set_counter`), never read, per micro-step.
     host_counters: bool
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
         """Creates the accumulation state's variables, zeros (`n`: see
-        `StateVariables`)."""
+        `StateVariables`; `dtype`: see `new_accumulators`)."""
 
-    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
-        """Zero accumulators for `variables` (an optimizer that grows)."""
+    def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
+        """Zero accumulators for `variables` (an optimizer that grows, or
+        compensations): of `dtype` (`"float32"` or `"bfloat16"`), except
+        float64 for float64 variables and float32 for those that keep a
+        maximum."""
 
     def listed(self, state: Any) -> list[Any]:
         """The state's variables the proxy lists in the optimizer's

@@ -36,10 +36,13 @@ def is_traced(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
-def accumulator_dtype(variable: Any) -> str:
-    """float32, or float64 for a float64 variable: sums of float16 or
-    bfloat16 micro-gradients would round at every micro-step."""
-    return "float64" if keras.backend.standardize_dtype(variable.dtype) == "float64" else "float32"
+def accumulator_dtype(variable: Any, dtype: str = "float32") -> str:
+    """`dtype` (float32 unless `accumulator_dtype` says otherwise: sums of
+    float16 or bfloat16 micro-gradients would round at every micro-step),
+    float64 for a float64 variable, float32 for one that keeps a maximum."""
+    if keras.backend.standardize_dtype(variable.dtype) == "float64":
+        return "float64"
+    return "float32" if getattr(variable, "overwrite_with_gradient", False) else dtype
 
 
 def _variable(name: str, shape: Any, dtype: str, value: Any = 0) -> keras.Variable:
@@ -106,24 +109,28 @@ class KerasOpsBackend:
     # ------------------------------------------------------------------
     # State.
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
         return StateVariables(
-            accumulators=self.new_accumulators(family, variables),
+            accumulators=self.new_accumulators(family, variables, dtype),
             micro_step=_variable("micro_step", (), "int32"),
             weight_total=_variable("weight_total", (), "float32"),
             n=None if n is None else _variable("n", (), "int32", n),
             touched=_variable("touched", (len(variables),), "int32", 1),
         )
 
-    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
+    def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
         # No family here grows (see `OptimizerFamily.grows`): this makes them all.
         return [
-            _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v)) for i, v in enumerate(variables)
+            _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v, dtype)) for i, v in enumerate(variables)
         ]
 
     def listed(self, state: Any) -> list[Any]:
         own = [*state.accumulators, state.micro_step, state.weight_total]
         own += [v for v in (state.n, state.touched) if v is not None]
+        if state.compensations is not None:
+            own += state.compensations
         if state.noise is not None:
             own += state.noise.variables()
         return own

@@ -32,9 +32,11 @@ class TorchBackend(KerasOpsBackend):
 
     host_counters = True
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
         # Which variables took part in the cycle is kept on the host.
-        return super().create_state(family, variables, n)._replace(touched=None)
+        return super().create_state(family, variables, n, dtype)._replace(touched=None)
 
     def snapshot(self, variable: Any) -> Any:
         # A write copies into the tensor the variable holds.

@@ -51,6 +51,9 @@ def checkpoint_class() -> type:
                 self.touched = state.touched
             if state.noise is not None:
                 self.noise = state.noise.variables()
+            if state.compensations is not None:
+                self.compensations = state.compensations
+                state.compensations = self.compensations  # the tracked list
             self.kept_values: dict[str, Any] = {}
             self.kept_indices: dict[str, Any] = {}
             for index, buffers in state.kept.items():

@@ -106,13 +106,22 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
         for name, variable in zip(NOISE_NAMES, state.noise.variables()):
             values[f"{KEY}noise_{name}"] = np.asarray(backend.saved(variable, False), np.float32)
     for i, accumulator in enumerate(state.accumulators):
-        value = backend.saved(accumulator, state.keeps_maximum(i))
+        value = _portable(backend.saved(accumulator, state.keeps_maximum(i)))
         values[f"{KEY}accumulator_{i}"] = value if begun else np.zeros_like(value)
+        if state.compensations is not None:
+            value = _portable(backend.saved(state.compensations[i], False))
+            values[f"{KEY}compensation_{i}"] = value if begun else np.zeros_like(value)
         if i in state.kept:
             kept_values, kept_indices = state.kept[i]
             values[f"{KEY}kept_values_{i}"] = backend.saved(kept_values, False)
             values[f"{KEY}kept_indices_{i}"] = backend.saved(kept_indices, False)
     return values
+
+
+def _portable(value: np.ndarray) -> np.ndarray:
+    # Keras stores hold NumPy's own dtypes: bfloat16 is written as float32
+    # (exactly) and cast back when loaded.
+    return value.astype(np.float32) if value.dtype.name == "bfloat16" else value
 
 
 def _touched(state: State, backend: Any) -> np.ndarray:
@@ -187,6 +196,11 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
             np.add.at(value, values[f"{KEY}kept_indices_{j}"].astype(np.int64), values[f"{KEY}kept_values_{j}"])
         backend.load(state.accumulators[i], value.astype(backend.saved(state.accumulators[i], False).dtype),
                      state.keeps_maximum(i))
+        if state.compensations is not None:
+            # A file written without compensation: the sums are exact as held.
+            held = np.asarray(values.get(f"{KEY}compensation_{j}", np.zeros_like(value)))
+            target = state.compensations[i]
+            backend.load(target, held.astype(backend.saved(target, False).dtype), False)
     if sparse == "slices":
         for i in range(len(state.accumulators)):
             if i in kept:

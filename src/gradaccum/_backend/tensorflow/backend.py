@@ -37,8 +37,10 @@ class TensorFlowBackend:
     # ------------------------------------------------------------------
     # State.
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
-        accumulators = self.new_accumulators(family, variables)
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
+        accumulators = self.new_accumulators(family, variables, dtype)
         with distribution.creation_scope(family.strategy()):
             touched = None
             if self.masks_each(family):
@@ -57,11 +59,11 @@ class TensorFlowBackend:
         and whose per-variable update synchronises nothing (Keras 3)."""
         return family.masks_writes and family.per_variable_update is not None
 
-    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
+    def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
         with distribution.creation_scope(family.strategy()):
             return [
                 distribution.replica_local(
-                    tf.zeros(v.shape, dtype=tensors.accumulator_dtype(v)),
+                    tf.zeros(v.shape, dtype=tensors.accumulator_dtype(v, dtype)),
                     name="accumulator",
                     colocate_with=family.model_variable(v),
                 )

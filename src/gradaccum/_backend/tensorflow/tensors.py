@@ -56,10 +56,12 @@ def compiled_by_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def accumulator_dtype(variable: Any) -> tf.DType:
-    """float64 for float64 variables, float32 for every other dtype."""
-    dtype = tf.as_dtype(variable.dtype)
-    return tf.float64 if dtype == tf.float64 else tf.float32
+def accumulator_dtype(variable: Any, dtype: str = "float32") -> tf.DType:
+    """float64 for float64 variables, float32 for those that keep a
+    maximum, `dtype` for every other."""
+    if tf.as_dtype(variable.dtype) == tf.float64:
+        return tf.float64
+    return tf.float32 if getattr(variable, "overwrite_with_gradient", False) else tf.as_dtype(dtype)
 
 
 def select(condition: tf.Tensor, new: Any, old: Any) -> tf.Tensor:
