@@ -25,3 +25,18 @@ def test_two_replicas_measure_the_analytic_noise_scale_of_linear_regression():
     assert state.noise_cycles == cycles
     assert abs(state.noise_batch - B) < 1e-3
     _within(_measured(state), ANALYTIC, 0.10)
+
+
+def test_n_from_the_noise_scale_is_refused_on_several_replicas():
+    """Each replica measures its own micro-batches: they would choose apart."""
+    import pytest
+
+    from gradaccum.schedules import from_noise_scale
+    from tests.support import make_data, make_mlp
+
+    x, y = make_data(32)
+    with mirrored().scope():
+        model = make_mlp()
+        model.compile(optimizer=accumulate(keras.optimizers.SGD(0.1), from_noise_scale(2, 8)), loss="mse")
+    with pytest.raises(ValueError, match="one replica only"):
+        model.fit(x, y, batch_size=8, verbose=0)

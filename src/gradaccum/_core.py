@@ -37,6 +37,7 @@ from typing import Any
 from keras import ops
 
 from gradaccum import _agc, _compensated
+from gradaccum._adaptive import NoiseScaleSchedule
 from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
 from gradaccum._cycle_end import deliver, end_cycle
@@ -108,7 +109,13 @@ class Core:
 
     def view(self) -> AccumulationState | None:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it."""
-        return None if self.state is None else self.state.view()
+        if self.state is None:
+            return None
+        view = self.state.view()
+        if self.backend.host_counters:
+            return view._replace(n=self.cycle.on_host(self.state.host_applied))
+        n = self.current_n()
+        return view._replace(n=int(ops.convert_to_numpy(n))) if self.backend.known(n) else view
 
     def listed(self) -> list[Any]:
         """The state's variables the proxy lists in `variables`."""
@@ -132,7 +139,10 @@ class Core:
         n = None if self.cycle.schedule is not None else self.cycle.value
         state = State(self.backend, self.family, variables, n, self.settings.accumulator_dtype)
         if self.settings.noise_scale:
-            state.noise = Noise(self.backend, self.family, self.settings.noise_decay)
+            adaptive = self.cycle.value if isinstance(self.cycle.value, NoiseScaleSchedule) else None
+            state.noise = Noise(self.backend, self.family, self.settings.noise_decay, adaptive)
+            if adaptive is not None:
+                self.cycle.follow(state.noise.next_n)
         self.cycle.attach(state.n)
         self.state = state
         self._on_built(state)
@@ -230,6 +240,7 @@ class Core:
             state.host_micro_step = int(self.backend.saved(state.micro_step, False))
         if self.cycle.schedule is not None:
             state.host_applied = int(ops.convert_to_numpy(self.family.iterations))
+            self.cycle.reread()
 
     def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> set[int]:
         """Adds one micro-step's gradients; returns the positions given one."""
@@ -286,22 +297,6 @@ class Core:
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
         state.mark_touched(given, first)
         return given
-
-    def noise_scale(self) -> float | None:
-        """The latest noise-scale estimate (reads the device), or None
-        before a cycle has been measured.
-
-        Raises:
-            ValueError: If the noise scale is not measured.
-        """
-        if not self.settings.noise_scale:
-            raise ValueError(
-                "The gradient noise scale is not measured: wrap the optimizer with "
-                "accumulate(optimizer, n, noise_scale=True)."
-            )
-        noise = None if self.state is None else self.state.noise
-        values = None if noise is None else noise.read()
-        return None if values is None else values["noise_scale"]
 
     def flush(self) -> None:
         """Applies what the current cycle holds now, if anything: the

@@ -41,7 +41,7 @@ from typing import Any
 from keras import ops
 
 # The state's scalars, in the order `variables()` lists them.
-NAMES = ("square_sum", "gradient_sq", "trace", "norm", "cycles", "batch")
+NAMES = ("square_sum", "gradient_sq", "trace", "norm", "cycles", "batch", "next_n")
 
 
 class Noise:
@@ -51,11 +51,14 @@ class Noise:
         backend: The backend's hooks.
         family: The wrapped optimizer's family (where variables are placed).
         decay: The moving averages' decay, in [0, 1).
+        schedule: A `gradaccum._adaptive.NoiseScaleSchedule` that chooses
+            the next cycle's `n` from the estimates, or None.
     """
 
-    def __init__(self, backend: Any, family: Any, decay: float):
+    def __init__(self, backend: Any, family: Any, decay: float, schedule: Any = None):
         self._backend = backend
         self._decay = decay
+        self.schedule = schedule
         made = {name: backend.scalar_variable(family, f"noise_{name}") for name in NAMES}
         # S of the current cycle (see the module docstring).
         self.square_sum = made["square_sum"]
@@ -68,10 +71,12 @@ class Noise:
         self.cycles = made["cycles"]
         # The mean micro-batch weight of the latest cycle measured.
         self.batch = made["batch"]
+        # With a `schedule`, the next cycle's `n` (0 until one is measured).
+        self.next_n = made["next_n"]
 
     def variables(self) -> list[Any]:
         """The state's variables, in the order of `NAMES`."""
-        return [self.square_sum, self.gradient_sq, self.trace, self.norm, self.cycles, self.batch]
+        return [self.square_sum, self.gradient_sq, self.trace, self.norm, self.cycles, self.batch, self.next_n]
 
     def add(self, grads: Sequence[Any], weight: Any, first: Any) -> None:
         """Adds `weight * |g|²` of one micro-step's gradients `grads` to S
@@ -94,7 +99,13 @@ class Noise:
         else:
             condition = ops.logical_and(ends, ops.greater_equal(steps, 2))
         replicas = float(backend.replicas())
-        decay = self._decay
+        decay, schedule = self._decay, self.schedule
+        if schedule is not None and replicas > 1:
+            raise ValueError(
+                "n=from_noise_scale(...) chooses `n` from the noise scale each replica measures "
+                "of its own micro-batches, and replicas would choose apart: it runs on one "
+                f"replica only (this step runs on {int(replicas)}). Use an int `n` with noise_scale=True."
+            )
 
         def update() -> None:
             total = ops.cast(backend.read(weight_total), "float32")
@@ -114,7 +125,12 @@ class Noise:
                 backend.assign(variable, ops.where(measured, decay * old + (1.0 - decay) * estimate, old))
             cycles = backend.read(self.cycles)
             backend.assign(self.cycles, ops.where(measured, cycles + 1.0 / replicas, cycles))
-            backend.assign(self.batch, ops.where(measured, total / k, backend.read(self.batch)))
+            batch = ops.where(measured, total / k, backend.read(self.batch))
+            backend.assign(self.batch, batch)
+            if schedule is not None:
+                current = ops.maximum(backend.read(self.next_n), k)
+                chosen = schedule.next_n(current, backend.read(self.gradient_sq), backend.read(self.trace), batch)
+                backend.assign(self.next_n, ops.where(measured, chosen, backend.read(self.next_n)))
 
         backend.when(condition, update, writes=self.variables())
 
@@ -137,3 +153,20 @@ class Noise:
         values["noise_scale"] = trace / gradient_sq if gradient_sq > 0 else math.inf
         del values["square_sum"]
         return values
+
+
+def latest(core: Any) -> float | None:
+    """`core`'s latest noise-scale estimate (reads the device), or None
+    before a cycle has been measured.
+
+    Raises:
+        ValueError: If the noise scale is not measured.
+    """
+    if not core.settings.noise_scale:
+        raise ValueError(
+            "The gradient noise scale is not measured: wrap the optimizer with "
+            "accumulate(optimizer, n, noise_scale=True)."
+        )
+    noise = None if core.state is None else core.state.noise
+    values = None if noise is None else noise.read()
+    return None if values is None else values["noise_scale"]

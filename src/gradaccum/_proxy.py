@@ -19,7 +19,7 @@ from typing import Any
 import keras
 import wrapt
 
-from gradaccum import _backend, _patches, _persistence
+from gradaccum import _backend, _noise, _patches, _persistence
 from gradaccum._direct import Direct
 from gradaccum._loss_scale import LossScaled
 from gradaccum._settings import Settings
@@ -146,7 +146,7 @@ class AccumulatingOptimizer(_persistence.Persistent, wrapt.ObjectProxy):
         Raises:
             ValueError: If the optimizer was made with `noise_scale=False`.
         """
-        return self._self_core.noise_scale()
+        return _noise.latest(self._self_core)
 
     @property
     def micro_step(self) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gradaccum import _validation
+from gradaccum._adaptive import NoiseScaleSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,9 @@ class Settings:
                 "out, but `agc` is None (clipping is off). Pass `agc=` (for "
                 "example 0.01) or drop `agc_exclude`."
             )
+        if isinstance(self.n, NoiseScaleSchedule):
+            # The schedule chooses `n` from the measured noise scale.
+            object.__setattr__(self, "noise_scale", True)
         if self.noise_scale and self.reduction != "mean":
             # The estimators take each micro-gradient as the mean over its
             # micro-batch; a sum-reduced loss's gradient is not.

@@ -43,6 +43,8 @@ class AccumulationState(NamedTuple):
         noise_batch: The mean micro-batch weight of the latest cycle
             measured (under a distribution strategy, the global micro-batch's).
         noise_cycles: Cycles measured so far (None likewise).
+        n: The current cycle's `n` (with a schedule, what it chose; None
+            where the view is taken inside a traced function).
     """
 
     variables: tuple[Any, ...]
@@ -55,3 +57,4 @@ class AccumulationState(NamedTuple):
     gradient_trace: float | None = None
     noise_batch: float | None = None
     noise_cycles: int | None = None
+    n: int | None = None

@@ -29,7 +29,8 @@ def _regression(samples: int, seed: int = 0):
     w_star = rng.normal(size=(D, 1)).astype("float32")
     x = rng.normal(size=(samples, D)).astype("float32")
     y = (x @ w_star + SIGMA * rng.normal(size=(samples, 1))).astype("float32")
-    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1, use_bias=False)])
+    layers = [keras.Input((D,)), keras.layers.Dense(1, use_bias=False, name="linear")]
+    model = keras.Sequential(layers, name="regression")
     model.layers[0].kernel.assign(w_star + np.full((D, 1), 1 / np.sqrt(D), "float32"))
     return model, x, y
 
