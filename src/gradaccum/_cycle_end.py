@@ -16,6 +16,7 @@ from typing import Any
 
 from keras import ops
 
+from gradaccum import _compensated
 from gradaccum._backend import Update
 from gradaccum._state import variable_name
 
@@ -77,8 +78,14 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
         conditions=conditions,
     )
     if state.noise is not None:
-        held = [a for i, a in enumerate(state.accumulators) if not state.keeps_maximum(i)]
-        state.noise.measure(ends, steps, held, state.weight_total)
+
+        def sums() -> list[Any]:
+            return [
+                _compensated.held(backend, a, state.compensations[i]) if state.compensated(i) else backend.read(a)
+                for i, a in enumerate(state.accumulators) if not state.keeps_maximum(i)
+            ]
+
+        state.noise.measure(ends, steps, sums, state.weight_total)
     backend.finish(update, core.settings.mode)
     if core.family.grows:
         # A step traced before an accumulator was added cannot zero it on

@@ -35,7 +35,7 @@ mean micro-batch weight (their sum is the global micro-batch's).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from keras import ops
@@ -85,12 +85,12 @@ class Noise:
         square = backend.squared_norm(list(grads))
         backend.add_scalar(self.square_sum, square if weight is None else square * weight, first)
 
-    def measure(self, ends: Any, steps: Any, accumulators: Sequence[Any], weight_total: Any) -> None:
+    def measure(self, ends: Any, steps: Any, sums: Callable[[], list[Any]], weight_total: Any) -> None:
         """Updates the estimates from the cycle that `ends` (if it does):
-        `steps` micro-steps, whose weighted sums are `accumulators` (read
-        before the update divides them) and whose weights sum to
-        `weight_total`. A cycle of one micro-batch has one batch size
-        only, and measures nothing."""
+        `steps` micro-steps, whose weighted sums `sums()` reads (before the
+        update divides them; called only where the cycle ends) and whose
+        weights sum to `weight_total`. A cycle of one micro-batch has one
+        batch size only, and measures nothing."""
         backend = self._backend
         if isinstance(steps, int):  # known on the host: no device read
             if not ends or steps < 2:
@@ -111,7 +111,7 @@ class Noise:
             total = ops.cast(backend.read(weight_total), "float32")
             k = ops.cast(steps, "float32")
             safe = ops.where(total > 0, total, ops.ones_like(total))
-            big = backend.squared_norm([backend.read(a) for a in accumulators]) / ops.square(safe)
+            big = backend.squared_norm(sums()) / ops.square(safe)
             small = backend.read(self.square_sum) / safe
             # Each replica's gradients are 1/R of its own mean's: scaled back
             # by R², then divided by R, so that the replicas' sum is their mean.
