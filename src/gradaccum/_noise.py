@@ -81,9 +81,7 @@ class Noise:
     def add(self, grads: Sequence[Any], weight: Any, first: Any) -> None:
         """Adds `weight * |g|²` of one micro-step's gradients `grads` to S
         (sets it on a cycle's first micro-step)."""
-        backend = self._backend
-        square = backend.squared_norm(list(grads))
-        backend.add_scalar(self.square_sum, square if weight is None else square * weight, first)
+        self._backend.add_squared_norm(self.square_sum, list(grads), weight, first)
 
     def measure(self, ends: Any, steps: Any, sums: Callable[[], list[Any]], weight_total: Any) -> None:
         """Updates the estimates from the cycle that `ends` (if it does):

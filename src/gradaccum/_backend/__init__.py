@@ -208,6 +208,10 @@ class Backend(Protocol):
         """The float32 scalar sum of squares of every element of `values`
         (gradients or accumulators; a sparse gradient's values)."""
 
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        """`total += weight * squared_norm(values)` (`weight=None`: 1), or
+        that product on a cycle's first micro-step (`first`)."""
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         """Zeroes `variables` if the scalar `condition` holds."""
 

@@ -205,6 +205,10 @@ class KerasOpsBackend:
         parts = [ops.sum(ops.square(ops.cast(v, "float32"))) for v in values]
         return ops.sum(ops.stack(parts)) if parts else ops.convert_to_tensor(0.0, "float32")
 
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        square = self.squared_norm(values)
+        self.add_scalar(total, square if weight is None else square * ops.cast(weight, "float32"), first)
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         for variable in variables:
             if is_traced(condition):

@@ -79,12 +79,31 @@ class TorchBackend(KerasOpsBackend):
                 target.copy_(value)
 
     def squared_norm(self, values: Sequence[Any]) -> Any:
-        # One multi-tensor kernel for every norm, each in float32.
         tensors = [v.value if hasattr(v, "value") else v for v in values]
         if not tensors:
             return torch.zeros((), dtype=torch.float32)
         with torch.no_grad():
-            return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
+            if all(t.dtype == torch.float32 for t in tensors):
+                # The `dtype` argument takes a slower kernel on the CPU.
+                norms = torch.stack(torch._foreach_norm(tensors, 2))
+            else:
+                norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+            return torch.dot(norms, norms)
+
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: bool) -> None:
+        # Four kernels per micro-step: the norms (one multi-tensor kernel),
+        # their stack, its dot product, and a multiply-add (or a multiply).
+        square = self.squared_norm(values)
+        target = total.value
+        with torch.no_grad():
+            if weight is None and first:
+                target.copy_(square)
+            elif weight is None:
+                target.add_(square)
+            elif first:
+                torch.mul(square, weight, out=target)
+            else:
+                target.addcmul_(square, torch.as_tensor(weight, dtype=target.dtype))
 
     def zero_if(self, condition: bool, variables: Sequence[Any]) -> None:
         if condition and variables:

@@ -135,6 +135,10 @@ class TensorFlowBackend:
     def squared_norm(self, values: Sequence[Any]) -> Any:
         return tensors.squared_norm(values)
 
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        square = tensors.squared_norm(values)
+        tensors.add_scalar(total, square if weight is None else square * tf.cast(weight, tf.float32), first)
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         if variables:
             tensors.zero_if(condition, variables)
