@@ -10,7 +10,9 @@ on, each trained for one epoch of `STEPS` micro-steps per round, the two in
 an order alternating from round to round (the first epoch of each, which
 traces, is not timed). Prints the median time per micro-step of each and the
 median of the per-round ratios on/off, with the range over rounds, and the
-ratio of each one's fastest round (the least disturbed by other load):
+ratio of each one's fastest round (the least disturbed by other load), and
+the median ratio of the process's CPU time (less disturbed by other
+processes on a shared machine than wall time):
 ratios in one run on one machine, never absolute times compared across runs.
 """
 
@@ -64,17 +66,22 @@ def main() -> None:
     for model in models.values():  # traces, builds
         model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     times: dict[str, list[float]] = {"off": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(args.rounds):
         for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             models[name].fit(x, y, batch_size=B, shuffle=False, verbose=0)
             times[name].append((time.perf_counter() - start) / STEPS)
+            cpu[name].append((time.process_time() - start_cpu) / STEPS)
     ratios = [on / off for on, off in zip(times["on"], times["off"])]
+    cpu_ratios = [on / off for on, off in zip(cpu["on"], cpu["off"])]
     print(f"backend={keras.config.backend()} jit_compile={args.jit} n={N} B={B} width={WIDTH} rounds={args.rounds}")
     for name, values in times.items():
         print(f"  noise_scale {name:>3}: {1e3 * statistics.median(values):.3f} ms per micro-step")
     print(f"  ratio on/off: median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
           f"of the fastest rounds {min(times['on']) / min(times['off']):.3f}")
+    print(f"  process CPU time ratio on/off: median {statistics.median(cpu_ratios):.3f} "
+          f"(range {min(cpu_ratios):.3f}-{max(cpu_ratios):.3f})")
     print(f"  noise scale measured: {models['on'].optimizer.noise_scale:.1f}")
 
 

@@ -265,3 +265,27 @@ def test_measuring_reads_nothing_back_per_micro_step():
     with counting_reads() as reads:
         assert opt.noise_scale is not None
     assert reads  # reading the estimate itself reads the device
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution runs on JAX")
+def test_data_parallel_measures_the_global_batch():
+    """Under `DataParallel` over two devices the gradients the optimizer sees
+    are the global micro-batch's: the estimates are one device's. The
+    estimators subtract nearly equal squared norms, which magnifies the
+    all-reduce's float32 rounding: compared at 1e-4 relative."""
+    import jax
+
+    B, n = 8, 4
+    model, x, y = _regression(B * n * 6)
+    one = accumulate(keras.optimizers.SGD(0.01), n, noise_scale=True)
+    model.compile(optimizer=one, loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    with keras.distribution.DataParallel(devices=jax.devices()[:2]).scope():
+        model, _, _ = _regression(1)
+        two = accumulate(keras.optimizers.SGD(0.01), n, noise_scale=True)
+        model.compile(optimizer=two, loss="mse")
+        model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    expected, got = one.accumulation_state, two.accumulation_state
+    assert got.noise_cycles == expected.noise_cycles == 6
+    for field in ("noise_scale", "gradient_sq", "gradient_trace", "noise_batch"):
+        np.testing.assert_allclose(getattr(got, field), getattr(expected, field), rtol=1e-4, err_msg=field)

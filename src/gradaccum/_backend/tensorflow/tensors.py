@@ -157,8 +157,10 @@ def squared_norm(values: Sequence[Any]) -> tf.Tensor:
     for v in values:
         v = v.values if isinstance(v, tf.IndexedSlices) else v
         v = v.value() if isinstance(v, tf.Variable) else v
-        parts.append(tf.reduce_sum(tf.square(tf.cast(v, tf.float32))))
-    return tf.add_n(parts) if parts else tf.constant(0.0)
+        # `l2_loss` (sum of squares / 2) is one pass over memory; a square,
+        # then a sum, writes and reads a temporary as large as the gradient.
+        parts.append(tf.nn.l2_loss(tf.cast(v, tf.float32)))
+    return 2.0 * tf.add_n(parts) if parts else tf.constant(0.0)
 
 
 def any_nonzero(values: Sequence[Any]) -> tf.Tensor:
