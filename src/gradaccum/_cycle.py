@@ -129,7 +129,8 @@ class Cycle:
         the cycle's position on the host: the int, or the schedule called
         with the applied-update count as a Python int. A schedule that
         returns a tensor is read back from the device; one that returns a
-        Python int reads nothing.
+        Python int reads nothing; `from_noise_scale`'s choice is read from
+        the device once per cycle.
 
         Raises:
             ValueError: If the schedule returns a value below 1.
