@@ -121,8 +121,9 @@ def accumulate(
             `noise_scale` is not a bool, `noise_decay` not a number or
             `accumulator_dtype` not a string.
         ValueError: If `noise_decay` is outside [0, 1), `accumulator_dtype`
-            is unknown, or `noise_scale=True` with `reduction="sum"` or
-            `sparse="slices"`.
+            is unknown, or `noise_scale=True` or `accumulator_dtype="bfloat16"`
+            with `sparse="slices"`, or `noise_scale=True` with
+            `reduction="sum"`.
     """
     # Every argument but the optimizer is a setting, checked once, here.
     given = {name: value for name, value in locals().items() if name != "optimizer"}

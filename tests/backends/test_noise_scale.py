@@ -239,6 +239,7 @@ def test_the_callback_logs_the_noise_scale_to_fit():
         ({"noise_scale": True, "reduction": "sum"}, ValueError, "reduction=\"mean\""),
         ({"accumulator_dtype": "float16"}, ValueError, "accumulator_dtype='float16'"),
         ({"accumulator_dtype": 32}, TypeError, "accumulator_dtype=32"),
+        ({"accumulator_dtype": "bfloat16", "sparse": "slices"}, ValueError, "sparse='slices'"),
     ],
 )
 def test_bad_settings_are_refused_by_name(kwargs, error, words):
