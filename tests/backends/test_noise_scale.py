@@ -299,3 +299,28 @@ def test_data_parallel_measures_the_global_batch():
     assert got.noise_cycles == expected.noise_cycles == 6
     for field in ("noise_scale", "gradient_sq", "gradient_trace", "noise_batch"):
         np.testing.assert_allclose(getattr(got, field), getattr(expected, field), rtol=1e-4, err_msg=field)
+
+
+@pytest.mark.parametrize("order", ["accumulate_lso", "lso_accumulate"])
+def test_loss_scaling_is_divided_out_first(order):
+    """Inside a loss-scale optimizer (either order) the micro-gradients are
+    measured unscaled: the estimates equal those of the unscaled run (the
+    scale is a power of two, so unscaling is exact)."""
+    B, n = 8, 4
+    model, x, y = _regression(B * n * 5)
+    plain = accumulate(keras.optimizers.SGD(0.01), n, noise_scale=True)
+    model.compile(optimizer=plain, loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+
+    model, _, _ = _regression(1)
+    if order == "accumulate_lso":
+        opt = accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)), n, noise_scale=True)
+    else:
+        opt = keras.optimizers.LossScaleOptimizer(accumulate(keras.optimizers.SGD(0.01), n, noise_scale=True))
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    accumulating = opt if order == "accumulate_lso" else opt.inner_optimizer
+    expected, got = plain.accumulation_state, accumulating.accumulation_state
+    assert got.noise_cycles == expected.noise_cycles == 5
+    for field in ("noise_scale", "gradient_sq", "gradient_trace", "noise_batch"):
+        np.testing.assert_allclose(getattr(got, field), getattr(expected, field), rtol=1e-6, err_msg=field)
