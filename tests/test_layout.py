@@ -18,7 +18,7 @@ import pytest
 import gradaccum
 
 SOURCE = pathlib.Path(gradaccum.__file__).parent
-PUBLIC_MODULES = {"gradaccum", "gradaccum.callbacks", "gradaccum.demo", "gradaccum.layers"}
+PUBLIC_MODULES = {"gradaccum", "gradaccum.callbacks", "gradaccum.demo", "gradaccum.layers", "gradaccum.schedules"}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -197,6 +197,7 @@ def test_public_names():
         "accumulating",
         "callbacks",
         "layers",
+        "schedules",
     ]
     for name in gradaccum.__all__:
         assert getattr(gradaccum, name) is not None

@@ -1,8 +1,8 @@
 """Exact gradient accumulation for any Keras optimizer.
 
 Public names: `accumulate`, `accumulating`, `AccumulatingOptimizer`,
-`AccumulationState`, and the submodules `gradaccum.callbacks` and
-`gradaccum.layers` (imported when first used). Every other module is
+`AccumulationState`, and the submodules `gradaccum.callbacks`,
+`gradaccum.layers` and `gradaccum.schedules` (imported when first used). Every other module is
 private (its name starts with `_`); docs/ARCHITECTURE.md says what each one
 owns. Importing gradaccum changes nothing in Keras: see `gradaccum._patches`.
 """
@@ -24,10 +24,11 @@ __all__ = [
     "accumulating",
     "callbacks",
     "layers",
+    "schedules",
 ]
 __version__ = "0.1.0"
 
-_SUBMODULES = ("callbacks", "layers")
+_SUBMODULES = ("callbacks", "layers", "schedules")
 
 
 def __getattr__(name: str) -> Any:

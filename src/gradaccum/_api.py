@@ -24,6 +24,9 @@ def accumulate(
     agc: float | None = None,
     agc_eps: float = 1e-3,
     agc_exclude: Callable[[Any], bool] | Sequence[Any] | None = None,
+    noise_scale: bool = False,
+    noise_decay: float = 0.9,
+    accumulator_dtype: str = "float32",
 ) -> AccumulatingOptimizer | Decorator:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -102,6 +105,20 @@ def accumulate(
             list of variables and variable paths (`"dense_1/kernel"`; for
             tf_keras the variable's name). Configs save a list as paths; a
             predicate is saved as Keras saves a function.
+        noise_scale: Whether to measure the gradient noise scale
+            B_simple = tr(Σ) / |G|² (McCandlish et al. 2018, appendix A.1)
+            from each cycle's micro-gradients (default False). Read it as
+            `opt.noise_scale`, in the units of the micro-batch weight
+            (samples for `fit`'s mean losses, tokens for a masked loss
+            weighed by its count, micro-batches where unweighted); see the
+            README. Needs `reduction="mean"` and `sparse="rows"`.
+        noise_decay: The decay of the exponential moving averages of the
+            estimates of |G|² and tr(Σ), a number in [0, 1) (default 0.9:
+            about the last ten cycles; 0: the latest cycle only).
+        accumulator_dtype: `"float32"` (default; float64 for float64
+            variables) or `"bfloat16"`: bfloat16 accumulators with
+            compensated (Kahan) summation, for bfloat16 models (see
+            docs/accumulator-dtype.md for its memory and error).
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -109,11 +126,16 @@ def accumulate(
 
     Raises:
         TypeError: If `n` is missing or neither an int nor a callable,
-            `optimizer` is not a Keras optimizer, or `sparse`, `agc`,
-            `agc_eps` or `agc_exclude` has the wrong type.
-        ValueError: If `n < 1`, `reduction`, `mode`, `weigh_by` or `sparse` is
-            unknown, `agc` or `agc_eps` is not a finite number > 0,
-            `agc_exclude` is given without `agc`, `optimizer` already
+            `optimizer` is not a Keras optimizer, `sparse`, `agc`, `agc_eps`
+            or `agc_exclude` has the wrong type, `noise_scale` is not a
+            bool, `noise_decay` not a number or `accumulator_dtype` not a
+            string.
+        ValueError: If `n < 1`, `reduction`, `mode`, `weigh_by`, `sparse` or
+            `accumulator_dtype` is unknown, `agc` or `agc_eps` is not a
+            finite number > 0, `agc_exclude` is given without `agc`,
+            `noise_decay` is outside [0, 1), `noise_scale=True` or
+            `accumulator_dtype="bfloat16"` is given with `sparse="slices"`,
+            `noise_scale=True` with `reduction="sum"`, `optimizer` already
             accumulates gradients (an `AccumulatingOptimizer`, or an
             optimizer with its own `gradient_accumulation_steps`), a
             TensorFlow-only setting (`sparse="slices"`) is asked for on

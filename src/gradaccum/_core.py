@@ -36,10 +36,12 @@ from typing import Any
 
 from keras import ops
 
-from gradaccum import _agc
+from gradaccum import _agc, _compensated
+from gradaccum._adaptive import NoiseScaleSchedule
 from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
 from gradaccum._cycle_end import deliver, end_cycle
+from gradaccum._noise import Noise
 from gradaccum._settings import Settings
 from gradaccum._state import State, variable_name
 from gradaccum._validation import check_gradient_shapes, check_step_arguments
@@ -107,7 +109,13 @@ class Core:
 
     def view(self) -> AccumulationState | None:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it."""
-        return None if self.state is None else self.state.view()
+        if self.state is None:
+            return None
+        view = self.state.view()
+        if self.backend.host_counters:
+            return view._replace(n=self.cycle.on_host(self.state.host_applied))
+        n = self.current_n()
+        return view._replace(n=int(ops.convert_to_numpy(n))) if self.backend.known(n) else view
 
     def listed(self) -> list[Any]:
         """The state's variables the proxy lists in `variables`."""
@@ -129,7 +137,12 @@ class Core:
     def _build_state(self, variables: list[Any]) -> None:
         self.backend.check_build(self.family, self.settings.sparse)
         n = None if self.cycle.schedule is not None else self.cycle.value
-        state = State(self.backend, self.family, variables, n)
+        state = State(self.backend, self.family, variables, n, self.settings.accumulator_dtype)
+        if self.settings.noise_scale:
+            adaptive = self.cycle.value if isinstance(self.cycle.value, NoiseScaleSchedule) else None
+            state.noise = Noise(self.backend, self.family, self.settings.noise_decay, adaptive)
+            if adaptive is not None:
+                self.cycle.follow(state.noise.next_n)
         self.cycle.attach(state.n)
         self.state = state
         self._on_built(state)
@@ -227,6 +240,7 @@ class Core:
             state.host_micro_step = int(self.backend.saved(state.micro_step, False))
         if self.cycle.schedule is not None:
             state.host_applied = int(ops.convert_to_numpy(self.family.iterations))
+            self.cycle.reread()
 
     def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> set[int]:
         """Adds one micro-step's gradients; returns the positions given one."""
@@ -236,7 +250,9 @@ class Core:
             if not isinstance(weight, float):
                 weight = ops.cast(weight, "float32")
         given = set()
+        measured = []  # the gradients whose norm the noise scale takes
         dense: tuple[list[Any], list[Any]] = ([], [])
+        compensated: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
         for g, i in zip(grads, indices):
             if g is None:
                 continue
@@ -246,7 +262,17 @@ class Core:
                 # maximum has none to scale.
                 backend.max_into(accumulator, g, first)
             elif backend.is_slices(g) and self.settings.sparse != "rows":
-                backend.keep_slices(state.kept_for(i, self.settings.sparse == "slices"), g, weight, first)
+                kept = state.kept_for(i, self.settings.sparse == "slices")
+                backend.keep_slices(kept, g, weight, first)
+                if state.noise is not None and not getattr(kept, "rows_only", False):
+                    state.noise.leave_out(variable_name(state.variables[i]))
+                    given.add(i)
+                    state.participants.add(i)
+                    continue
+            elif state.compensated(i):
+                compensated[0].append(accumulator)
+                compensated[1].append(state.compensations[i])
+                compensated[2].append(g)
             elif backend.is_slices(g):
                 backend.scatter_into(accumulator, g, weight, first)
             else:
@@ -259,15 +285,21 @@ class Core:
                     )
                 dense[0].append(accumulator)
                 dense[1].append(g)
+            if not state.keeps_maximum(i):
+                measured.append(g)
             given.add(i)
             state.participants.add(i)
         backend.add_into(*dense, weight, first)
+        _compensated.add(backend, *compensated, weight, first)
+        if state.noise is not None:
+            state.noise.add(measured, weight, first)
         if first is not False:  # False: a later micro-step known on the host
             # Every other accumulator: the last cycle's sums must not count in
             # this one. Not only those of variables taking part when this step
             # was traced: another trace may have made more take part since.
             missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
             missing += [c for i, kept in state.kept.items() if i not in given for c in backend.kept_counters(kept)]
+            missing += [c for i, c in enumerate(state.compensations or []) if i not in given]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
         state.mark_touched(given, first)
@@ -306,7 +338,7 @@ class Core:
         positions this micro-step gave a gradient (None for `flush`)."""
         backend, state = self.backend, self.state
         if ends is not False:  # False: an in-between micro-step known on the host
-            end_cycle(self, ends, given)
+            end_cycle(self, ends, steps, given)
         if backend.host_counters:
             state.host_micro_step = 0 if ends else steps
             if ends and state.host_applied is not None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from keras import ops
 
+from gradaccum._adaptive import NoiseScaleSchedule
 from gradaccum._validation import check_n
 
 
@@ -35,6 +36,10 @@ class Cycle:
         self._variable: Any = None
         # Whether a traced function hands gradients straight over (n=1).
         self._handed_over_in_trace = False
+        # With `from_noise_scale`: the variable holding the chosen `n`
+        # (`follow`), and on the host its value for one applied-update count.
+        self._chosen: Any = None
+        self._host_chosen: tuple[int | None, int] | None = None
 
     @property
     def value(self) -> int | Callable[[Any], Any]:
@@ -49,6 +54,20 @@ class Cycle:
     def attach(self, variable: Any) -> None:
         """Reads an int `n` from `variable` from now on (None for a schedule)."""
         self._variable = variable
+
+    def follow(self, chosen: Any) -> None:
+        """Takes `n` from the variable `chosen` (a float32 scalar the noise
+        scale sets at the end of each cycle; 0 before one is measured),
+        for a `from_noise_scale` schedule."""
+        self._chosen = chosen
+        self._host_chosen = None
+
+    def reread(self) -> None:
+        """Reads the chosen `n` anew on the host (after a restore)."""
+        self._host_chosen = None
+
+    def _adaptive(self) -> NoiseScaleSchedule | None:
+        return self.schedule if isinstance(self.schedule, NoiseScaleSchedule) else None
 
     def set(self, value: Any) -> None:
         """Sets an int `n` (see `AccumulatingOptimizer.n`).
@@ -89,6 +108,12 @@ class Cycle:
                 known (eagerly).
         """
         dtype = self._backend.counter_dtype
+        adaptive = self._adaptive()
+        if adaptive is not None:
+            if self._chosen is None:
+                return ops.convert_to_tensor(adaptive.min_n, dtype=dtype)
+            n = ops.cast(self._backend.read(self._chosen), dtype)
+            return ops.maximum(n, ops.cast(adaptive.min_n, dtype))
         if self.schedule is not None:
             n = ops.cast(self.schedule(applied), dtype)
             if self._backend.known(n) and int(ops.convert_to_numpy(n)) < 1:
@@ -104,13 +129,22 @@ class Cycle:
         the cycle's position on the host: the int, or the schedule called
         with the applied-update count as a Python int. A schedule that
         returns a tensor is read back from the device; one that returns a
-        Python int reads nothing.
+        Python int reads nothing; `from_noise_scale`'s choice is read from
+        the device once per cycle.
 
         Raises:
             ValueError: If the schedule returns a value below 1.
         """
         if self.schedule is None:
             return self._n
+        adaptive = self._adaptive()
+        if adaptive is not None:
+            # Read from the device once per cycle (the choice is made when
+            # a cycle ends, and `applied` counts the cycles ended).
+            if self._host_chosen is None or self._host_chosen[0] != applied:
+                chosen = 0 if self._chosen is None else int(ops.convert_to_numpy(self._chosen))
+                self._host_chosen = (applied, max(chosen, adaptive.min_n))
+            return self._host_chosen[1]
         n = self.schedule(applied)
         n = n if isinstance(n, numbers.Integral) else int(ops.convert_to_numpy(n))
         if n < 1:

@@ -16,12 +16,15 @@ from typing import Any
 
 from keras import ops
 
+from gradaccum import _compensated
 from gradaccum._backend import Update
 from gradaccum._state import variable_name
 
 
-def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
-    """Hands the backend `core`'s cycle update, to take effect if `ends`.
+def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
+    """Hands the backend `core`'s cycle update, to take effect if `ends`
+    (after the cycle of `steps` micro-steps is measured, if the noise
+    scale is: before the update divides the accumulators).
 
     A variable that received no gradient in the whole cycle takes no
     part in it, as in the large batch: left out where that is known on
@@ -48,8 +51,16 @@ def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
     variables = [state.variables[i] for i in included]
     kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
 
+    # A compensated sum is `a - c` (`gradaccum._compensated`): divided here
+    # in float32, not in place in bfloat16.
+    compensated = {k: state.compensations[i] for k, i in enumerate(included) if state.compensated(i)}
+
     def apply(values: list[Any], divisor: Any = divisor) -> None:
         # `divisor`: a skipped update's branch input on TensorFlow.
+        values = list(values)
+        for k, compensation in compensated.items():
+            total = ops.cast(values[k], "float32") - ops.cast(backend.read(compensation), "float32")
+            values[k] = total if divisor is None else total / ops.cast(divisor, "float32")
         grads = [ops.cast(v, w.dtype) for v, w in zip(values, variables)]
         for k, held in kept.items():
             sliced = backend.kept_slices(held, divisor)
@@ -60,7 +71,7 @@ def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
     update = Update(
         ends=ends,
         accumulators=accumulators,
-        divided=[not state.keeps_maximum(i) for i in included],
+        divided=[not state.keeps_maximum(i) and not state.compensated(i) for i in included],
         divisor=divisor,
         apply=apply,
         family=core.family,
@@ -68,6 +79,15 @@ def end_cycle(core: Any, ends: Any, given: set[int] | None) -> None:
         taking_part=variables,
         conditions=conditions,
     )
+    if state.noise is not None:
+
+        def sums() -> list[Any]:
+            return [
+                _compensated.held(backend, a, state.compensations[i]) if state.compensated(i) else backend.read(a)
+                for i, a in enumerate(state.accumulators) if not state.keeps_maximum(i)
+            ]
+
+        state.noise.measure(ends, steps, sums, state.weight_total)
     backend.finish(update, core.settings.mode)
     if core.family.grows:
         # A step traced before an accumulator was added cannot zero it on

@@ -19,7 +19,7 @@ from typing import Any
 import keras
 import wrapt
 
-from gradaccum import _backend, _patches, _persistence
+from gradaccum import _backend, _noise, _patches, _persistence
 from gradaccum._direct import Direct
 from gradaccum._loss_scale import LossScaled
 from gradaccum._settings import Settings, SettingsView
@@ -109,6 +109,16 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
             # Kept slices that XLA cannot grow while a step runs hold a
             # cycle of the new length from now on.
             state.reserve_kept()
+
+    @property
+    def noise_scale(self) -> float | None:
+        """The latest gradient noise scale tr(Σ) / |G|², a Python float (see
+        `accumulate(noise_scale=True)`), or None before a cycle has ended.
+
+        Raises:
+            ValueError: If the optimizer was made with `noise_scale=False`.
+        """
+        return _noise.latest(self._self_core)
 
     @property
     def micro_step(self) -> Any:

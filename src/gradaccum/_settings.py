@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gradaccum import _validation
+from gradaccum._adaptive import NoiseScaleSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,9 @@ class Settings:
         agc_eps: The smallest weight norm an AGC cap is computed from.
         agc_exclude: The variables AGC leaves alone: None, a predicate, or a
             tuple of variables and variable paths.
+        noise_scale: Whether the gradient noise scale is measured.
+        noise_decay: The decay of the moving averages of its estimates.
+        accumulator_dtype: `"float32"` or `"bfloat16"` (compensated).
 
     Raises:
         TypeError: If a setting has the wrong type.
@@ -48,6 +52,9 @@ class Settings:
     agc: float | None = None
     agc_eps: float = 1e-3
     agc_exclude: Any = None
+    noise_scale: bool = False
+    noise_decay: float = 0.9
+    accumulator_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -58,6 +65,26 @@ class Settings:
                 "`agc_exclude` names variables adaptive gradient clipping leaves "
                 "out, but `agc` is None (clipping is off). Pass `agc=` (for "
                 "example 0.01) or drop `agc_exclude`."
+            )
+        if isinstance(self.n, NoiseScaleSchedule):
+            # The schedule chooses `n` from the measured noise scale.
+            object.__setattr__(self, "noise_scale", True)
+        if self.noise_scale and self.reduction != "mean":
+            # The estimators take each micro-gradient as the mean over its
+            # micro-batch; a sum-reduced loss's gradient is not.
+            raise ValueError(
+                "noise_scale=True measures the noise scale from mean micro-gradients; it needs "
+                f"reduction=\"mean\". Received: reduction={self.reduction!r}."
+            )
+        if self.accumulator_dtype != "float32" and self.sparse != "rows":
+            raise ValueError(
+                f"accumulator_dtype={self.accumulator_dtype!r} sums dense gradients with compensation; "
+                f"sparse={self.sparse!r} keeps slices instead. Use sparse=\"rows\" or accumulator_dtype=\"float32\"."
+            )
+        if self.noise_scale and self.sparse != "rows":
+            raise ValueError(
+                "noise_scale=True reads the cycle's sums from the accumulators, which "
+                f"sparse=\"slices\" leaves empty; use sparse=\"rows\". Received: sparse={self.sparse!r}."
             )
 
     def replace(self, **changes: Any) -> Settings:
@@ -123,6 +150,9 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "agc": _validation.check_agc,
     "agc_eps": _validation.check_agc_eps,
     "agc_exclude": _validation.check_agc_exclude,
+    "noise_scale": _validation.check_noise_scale,
+    "noise_decay": _validation.check_noise_decay,
+    "accumulator_dtype": _validation.check_accumulator_dtype,
 }
 
 

@@ -39,17 +39,23 @@ class State:
         family: The wrapped optimizer's family.
         variables: The variables the optimizer is built for, in its order.
         n: The int `n`, or None for a schedule.
+        dtype: The accumulators' dtype, `"float32"` or `"bfloat16"` (then
+            with compensations, see `gradaccum._compensated`).
     """
 
-    def __init__(self, backend: Backend, family: Any, variables: Sequence[Any], n: int | None):
+    def __init__(self, backend: Backend, family: Any, variables: Sequence[Any], n: int | None,
+                 dtype: str = "float32"):
         self._backend = backend
         self._family = family
         self.variables: list[Any] = list(variables)
         self._index = {family.var_key(v): i for i, v in enumerate(self.variables)}
         # Whether each variable keeps its cycle's maximum (`keeps_maximum`).
         self._maxima = [_keeps_maximum(v) for v in self.variables]
-        created = backend.create_state(family, self.variables, n)
+        created = backend.create_state(family, self.variables, n, dtype)
+        self._dtype = dtype
         self.accumulators: list[Any] = created.accumulators
+        # With bfloat16 accumulators, each one's compensation (by position).
+        self.compensations = backend.new_accumulators(family, self.variables, dtype) if dtype == "bfloat16" else None
         self.micro_step = created.micro_step
         self.weight_total = created.weight_total
         self.n = created.n
@@ -73,6 +79,8 @@ class State:
         # Positions of the variables that have received a gradient: they take
         # part in every update from then on (zeros on micro-steps without one).
         self.participants: set[int] = set()
+        # The gradient noise scale's state (`gradaccum._noise`), if measured.
+        self.noise: Any = None
         # What TensorFlow checkpoints track (`gradaccum._persistence`): it
         # holds the containers above, so that growing them is tracked.
         self.checkpoint: Any = None
@@ -116,7 +124,8 @@ class State:
         """
         traced = not self._backend.writable_now(self.micro_step)
         try:
-            accumulators = self._backend.new_accumulators(self._family, variables)
+            accumulators = self._backend.new_accumulators(self._family, variables, self._dtype)
+            compensations = self.compensations and self._backend.new_accumulators(self._family, variables, "bfloat16")
             self._family.grow(variables)  # last: nothing is recorded if a creation fails
         except ValueError as error:
             if not traced:
@@ -137,6 +146,8 @@ class State:
         # Appended to the tracked list: checkpointed as the next positions,
         # and restored there from a checkpoint read before they existed.
         self.accumulators.extend(accumulators)
+        if compensations:
+            self.compensations.extend(compensations)
 
     # ------------------------------------------------------------------
     # Which variables take part.
@@ -218,6 +229,10 @@ class State:
             "first), or trace this step anew (a new tf.function).",
         )
 
+    def compensated(self, index: int) -> bool:
+        """Whether variable `index` is summed with compensation."""
+        return self.compensations is not None and not self.keeps_maximum(index)
+
     def keeps_maximum(self, index: int) -> bool:
         """Whether variable `index` takes its cycle's maximum, not a mean.
 
@@ -286,12 +301,19 @@ class State:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it
         (settled first, see `settle`)."""
         self.settle()
+        noise = self.noise.read() if self.noise is not None and self._backend.writable_now(self.micro_step) else None
+        noise = noise or {}
         return AccumulationState(
             variables=tuple(self.variables),
             accumulators=tuple(self.accumulators),
             micro_step=self._backend.snapshot(self.micro_step),
             weight_total=self._backend.snapshot(self.weight_total),
             kept_slices=self._kept_view(),
+            noise_scale=noise.get("noise_scale"),
+            gradient_sq=noise.get("gradient_sq"),
+            gradient_trace=noise.get("trace"),
+            noise_batch=noise.get("batch"),
+            noise_cycles=None if not noise else int(noise["cycles"]),
         )
 
     def _kept_view(self) -> dict[int, tuple[Any, Any]]:
@@ -312,5 +334,5 @@ class State:
         if not self._backend.writable_now(self.micro_step) or self.begun():
             return
         backend = self._backend
-        for v in [*self.accumulators, self.weight_total]:
+        for v in [*self.accumulators, *(self.compensations or []), self.weight_total]:
             backend.load(v, np.zeros_like(backend.saved(v, False)), False)

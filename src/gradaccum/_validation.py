@@ -9,6 +9,7 @@ REDUCTIONS = ("mean", "sum")
 MODES = ("masked", "skip")
 WEIGHINGS = ("count", "batch")
 SPARSE = ("auto", "rows", "slices")
+ACCUMULATOR_DTYPES = ("float32", "bfloat16")
 
 
 def check_n(n: Any) -> int:
@@ -73,6 +74,49 @@ def check_sparse(sparse: Any) -> str:
             f"keeps every micro-step's slices. Received: sparse={sparse!r}."
         )
     return sparse
+
+
+def check_noise_scale(noise_scale: Any) -> bool:
+    """Returns `noise_scale`, or raises if it is not a bool."""
+    if not isinstance(noise_scale, bool):
+        raise TypeError(
+            "`noise_scale` must be True (measure the gradient noise scale) or False. "
+            f"Received: noise_scale={noise_scale!r} of type {type(noise_scale).__name__}."
+        )
+    return noise_scale
+
+
+def check_noise_decay(decay: Any) -> float:
+    """Returns the noise scale's moving-average decay, or raises if it is
+    not a number in [0, 1)."""
+    if isinstance(decay, bool) or not isinstance(decay, numbers.Real):
+        raise TypeError(
+            "`noise_decay` must be a number in [0, 1), the decay of the moving averages "
+            f"of the noise scale's estimates. Received: noise_decay={decay!r} of type {type(decay).__name__}."
+        )
+    if not 0.0 <= float(decay) < 1.0:
+        raise ValueError(
+            "`noise_decay` must be a number in [0, 1), the decay of the moving averages "
+            f"of the noise scale's estimates (0: no smoothing). Received: noise_decay={decay!r}."
+        )
+    return float(decay)
+
+
+def check_accumulator_dtype(dtype: Any) -> str:
+    """Returns the accumulators' dtype name, or raises if it is not one of
+    `ACCUMULATOR_DTYPES`."""
+    if not isinstance(dtype, str):
+        raise TypeError(
+            f"`accumulator_dtype` must be a string, one of {ACCUMULATOR_DTYPES}. "
+            f"Received: accumulator_dtype={dtype!r} of type {type(dtype).__name__}."
+        )
+    if dtype not in ACCUMULATOR_DTYPES:
+        raise ValueError(
+            f"`accumulator_dtype` must be one of {ACCUMULATOR_DTYPES}: \"float32\" sums in float32 "
+            "(float64 for float64 variables), \"bfloat16\" in bfloat16 with compensated (Kahan) "
+            f"summation. Received: accumulator_dtype={dtype!r}."
+        )
+    return dtype
 
 
 def check_n_or_schedule(n: Any) -> int | Any:

@@ -36,6 +36,19 @@ class AccumulationState(NamedTuple):
             embedding's, `micro_step` times a micro-step's slices). A
             snapshot taken eagerly, empty inside a traced function; the
             variable's `accumulators` entry stays zero.
+        noise_scale: With `noise_scale=True`, the latest estimate of the
+            gradient noise scale B_simple (as `AccumulatingOptimizer.noise_scale`);
+            None before a cycle has been measured, with `noise_scale=False`,
+            or where the view is taken inside a traced function.
+        gradient_sq: The moving average of the estimates of |G|², the true
+            gradient's squared norm (None as `noise_scale`).
+        gradient_trace: The moving average of the estimates of tr(Σ), the
+            trace of the per-sample gradient covariance (None likewise).
+        noise_batch: The mean micro-batch weight of the latest cycle
+            measured (under a distribution strategy, the global micro-batch's).
+        noise_cycles: Cycles measured so far (None likewise).
+        n: The current cycle's `n` (with a schedule, what it chose; None
+            where the view is taken inside a traced function).
     """
 
     variables: tuple[Any, ...]
@@ -43,3 +56,9 @@ class AccumulationState(NamedTuple):
     micro_step: Any
     weight_total: Any
     kept_slices: dict[int, tuple[Any, Any]] = {}
+    noise_scale: float | None = None
+    gradient_sq: float | None = None
+    gradient_trace: float | None = None
+    noise_batch: float | None = None
+    noise_cycles: int | None = None
+    n: int | None = None

@@ -51,3 +51,66 @@ class FlushPartialCycle(keras.callbacks.Callback):
     def on_train_end(self, logs: Any = None) -> None:
         if self.at == "train_end":
             self._flush()
+
+
+class GradientNoiseScale(keras.callbacks.Callback):
+    """Logs the gradient noise scale an accumulating optimizer measures.
+
+    Adds `noise_scale` (see `AccumulatingOptimizer.noise_scale`), and with
+    `estimates=True` also `gradient_sq` (|G|²) and `gradient_trace` (tr(Σ)),
+    to the logs of `fit`, so that callbacks after it (`TensorBoard`,
+    `CSVLogger`, `History`) record them. List it before those. Nothing is
+    logged before a cycle has been measured. Each log reads the estimate
+    from the device once.
+
+    ```python
+    opt = gradaccum.accumulate(keras.optimizers.Adam(1e-3), n=8, noise_scale=True)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=32, callbacks=[
+        gradaccum.callbacks.GradientNoiseScale(),
+        keras.callbacks.TensorBoard("logs"),
+    ])
+    ```
+
+    Args:
+        update_freq: `"epoch"` (default): at the end of each epoch; or an
+            int k >= 1: also in the logs of every k-th training batch.
+        estimates: Whether to log the estimates of |G|² and tr(Σ) too.
+
+    Raises:
+        ValueError: If `update_freq` is neither, or, when called, if the
+            model's optimizer does not measure the noise scale.
+    """
+
+    def __init__(self, update_freq: str | int = "epoch", estimates: bool = False):
+        super().__init__()
+        if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int)
+                                       or update_freq < 1):
+            raise ValueError(f"`update_freq` must be \"epoch\" or an int >= 1. Received: update_freq={update_freq!r}.")
+        self.update_freq = update_freq
+        self.estimates = estimates
+
+    def _log(self, logs: Any) -> None:
+        core = core_in(getattr(self.model, "optimizer", None))
+        if core is None or not core.settings.noise_scale:
+            raise ValueError(
+                "GradientNoiseScale needs a model compiled with an optimizer that measures "
+                "the noise scale, gradaccum.accumulate(optimizer, n, noise_scale=True); this "
+                f"model's optimizer is {getattr(self.model, 'optimizer', None)!r}."
+            )
+        if logs is None or core.state is None or core.state.noise is None:
+            return
+        values = core.state.noise.read()
+        if values is None:
+            return
+        logs["noise_scale"] = values["noise_scale"]
+        if self.estimates:
+            logs["gradient_sq"] = values["gradient_sq"]
+            logs["gradient_trace"] = values["trace"]
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.update_freq != "epoch" and (batch + 1) % self.update_freq == 0:
+            self._log(logs)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self._log(logs)

@@ -83,8 +83,8 @@ class StateVariables(NamedTuple):
     """The variables a backend creates for one optimizer's accumulation.
 
     Attributes:
-        accumulators: One per variable, float32 (float64 for float64
-            variables), zeros.
+        accumulators: One per variable, float32 or bfloat16 (float64 for
+            float64 variables), zeros.
         micro_step: The integer micro-step counter, 0.
         weight_total: The float32 sum of the cycle's micro-batch weights, 0.
         n: The cycle's length for an int `n` (so that setting it needs no
@@ -144,12 +144,17 @@ class Backend(Protocol):
     # counter variable is written (`set_counter`), never read, per micro-step.
     host_counters: bool
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
         """Creates the accumulation state's variables, zeros (`n`: see
-        `StateVariables`)."""
+        `StateVariables`; `dtype`: see `new_accumulators`)."""
 
-    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
-        """Zero accumulators for `variables` (an optimizer that grows)."""
+    def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
+        """Zero accumulators for `variables` (an optimizer that grows, or
+        compensations): of `dtype` (`"float32"` or `"bfloat16"`), except
+        float64 for float64 variables and float32 for those that keep a
+        maximum."""
 
     def listed(self, state: Any) -> list[Any]:
         """The state's variables the proxy lists in the optimizer's
@@ -196,6 +201,18 @@ class Backend(Protocol):
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         """`total += value`, or `value` on a cycle's first micro-step."""
 
+    def scalar_variable(self, family: Any, name: str) -> Any:
+        """A float32 scalar variable, 0, each replica's own (read as the sum
+        over replicas), placed as the accumulation state is."""
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        """The float32 scalar sum of squares of every element of `values`
+        (gradients or accumulators; a sparse gradient's values)."""
+
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        """`total += weight * squared_norm(values)` (`weight=None`: 1), or
+        that product on a cycle's first micro-step (`first`)."""
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         """Zeroes `variables` if the scalar `condition` holds."""
 
@@ -212,8 +229,10 @@ class Backend(Protocol):
     def masks_each(self, family: Any) -> bool:
         """Whether `finish` honours `Update.conditions` for this family."""
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
-        """Runs `fn`, which synchronises nothing, only if `condition`."""
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
+        """Runs `fn`, which synchronises nothing, only if `condition`;
+        `writes`: the variables `fn` writes (a traced branch on JAX returns
+        their new values)."""
 
     def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
         """In a traced step, a run-time assertion of `condition()`, where the
@@ -250,9 +269,8 @@ class Backend(Protocol):
         trace (or eager run) running now."""
 
     # Sparse gradients: only TensorFlow has them (`tf.IndexedSlices`); the
-    # other hooks of `sparse="slices"` (`scatter_into`, `slice_buffers`,
-    # `append_slices`, `kept_slices`, `clear_slices_if`, `clear_slices`)
-    # are TensorFlow's alone.
+    # other hooks of kept slices (`scatter_into`, `new_kept`, `keep_slices`,
+    # `kept_slices`, `kept_counters`) are TensorFlow's alone.
 
     def is_slices(self, grad: Any) -> bool:
         """Whether `grad` is a sparse gradient."""

@@ -25,7 +25,7 @@ from typing import Any
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend.common.stateless_scope import StatelessScope, in_stateless_scope
+from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
 
 from gradaccum._backend import StateVariables, Update, device_local
 
@@ -39,10 +39,13 @@ def is_traced(value: Any) -> bool:
     return isinstance(value, jax.core.Tracer)
 
 
-def accumulator_dtype(variable: Any) -> str:
-    """float32, or float64 for a float64 variable: sums of float16 or
-    bfloat16 micro-gradients would round at every micro-step."""
-    return "float64" if keras.backend.standardize_dtype(variable.dtype) == "float64" else "float32"
+def accumulator_dtype(variable: Any, dtype: str = "float32") -> str:
+    """`dtype` (float32 unless `accumulator_dtype` says otherwise: sums of
+    float16 or bfloat16 micro-gradients would round at every micro-step),
+    float64 for a float64 variable, float32 for one that keeps a maximum."""
+    if keras.backend.standardize_dtype(variable.dtype) == "float64":
+        return "float64"
+    return "float32" if getattr(variable, "overwrite_with_gradient", False) else dtype
 
 
 def _variable(name: str, shape: Any, dtype: str, value: Any = 0) -> keras.Variable:
@@ -82,9 +85,15 @@ def run_if(condition: Any, fn: Callable[[], None], variables: Sequence[Any]) -> 
     import jax
 
     variables = list(variables)
+    # Inside the branch, variables it does not write read as the enclosing
+    # scope has them (`fit`'s values of this step), not as stored.
+    outer = get_stateless_scope() if in_stateless_scope() else None
 
     def taken(values: list[Any]) -> list[Any]:
         with StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+            if outer is not None:
+                for key, value in outer.state_mapping.items():
+                    scope.state_mapping.setdefault(key, value)
             fn()
         return [scope.get_current_value(v) for v in variables]
 
@@ -110,40 +119,46 @@ class KerasOpsBackend:
     # ------------------------------------------------------------------
     # State.
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
         return StateVariables(
-            accumulators=self.new_accumulators(family, variables),
+            accumulators=self.new_accumulators(family, variables, dtype),
             micro_step=_variable("micro_step", (), "int32"),
             weight_total=_variable("weight_total", (), "float32"),
             n=None if n is None else _variable("n", (), "int32", n),
             touched=_variable("touched", (len(variables),), "int32", 1),
         )
 
-    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
+    def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
         # No family here grows (see `OptimizerFamily.grows`): this makes them all.
-        layouts = self._local_layouts(variables)
+        layouts = self._local_layouts(variables, dtype)
         if layouts is None:
             return [
-                _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v)) for i, v in enumerate(variables)
+                _variable(f"accumulator_{i}", tuple(v.shape), accumulator_dtype(v, dtype))
+                for i, v in enumerate(variables)
             ]
         size = self._axis.size
         made = []
         for i, (v, layout) in enumerate(zip(variables, layouts)):
-            dtype = accumulator_dtype(v)
+            held = accumulator_dtype(v)
             accumulator = keras.Variable(
-                np.zeros((size, *v.shape), dtype), dtype=dtype, trainable=False, name=f"gradaccum_accumulator_{i}",
+                np.zeros((size, *v.shape), held), dtype=held, trainable=False, name=f"gradaccum_accumulator_{i}",
                 layout=layout,
             )
             self.local[id(accumulator)] = size
             made.append(accumulator)
         return made
 
-    def _local_layouts(self, variables: Sequence[Any]) -> list[Any] | None:
+    def _local_layouts(self, variables: Sequence[Any], dtype: str) -> list[Any] | None:
         """Each accumulator's device-local layout, or None (all or none: the
         train step computes every gradient per device, or none)."""
         axis, self.why_not_local = device_local.data_axis()
         self._axis = axis
         if axis is None:
+            return None
+        if dtype != "float32":
+            self.why_not_local = f"accumulator_dtype={dtype!r} keeps compensations that are not device-local"
             return None
         layouts = []
         for v in variables:
@@ -173,6 +188,10 @@ class KerasOpsBackend:
     def listed(self, state: Any) -> list[Any]:
         own = [*state.accumulators, state.micro_step, state.weight_total]
         own += [v for v in (state.n, state.touched) if v is not None]
+        if state.compensations is not None:
+            own += state.compensations
+        if state.noise is not None:
+            own += state.noise.variables()
         return own
 
     def check_settings(self, settings: Any) -> None:
@@ -257,6 +276,17 @@ class KerasOpsBackend:
             value = ops.sum(value)
         total.assign(ops.where(first, value, total.value + value))
 
+    def scalar_variable(self, family: Any, name: str) -> Any:
+        return _variable(name, (), "float32")
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        parts = [ops.sum(ops.square(ops.cast(v, "float32"))) for v in values]
+        return ops.sum(ops.stack(parts)) if parts else ops.convert_to_tensor(0.0, "float32")
+
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        square = self.squared_norm(values)
+        self.add_scalar(total, square if weight is None else square * ops.cast(weight, "float32"), first)
+
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         for variable in variables:
             if is_traced(condition):
@@ -318,8 +348,10 @@ class KerasOpsBackend:
         accumulator.assign(quotient(accumulator.value, divisor))
         return accumulator.value
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
-        if bool(condition):
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
+        if is_traced(condition):
+            run_if(condition, fn, writes)
+        elif bool(condition):
             fn()
 
     def assert_that(self, condition: Callable[[], Any], message: str) -> Any:

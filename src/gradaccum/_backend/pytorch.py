@@ -32,9 +32,11 @@ class TorchBackend(KerasOpsBackend):
 
     host_counters = True
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
         # Which variables took part in the cycle is kept on the host.
-        return super().create_state(family, variables, n)._replace(touched=None)
+        return super().create_state(family, variables, n, dtype)._replace(touched=None)
 
     def snapshot(self, variable: Any) -> Any:
         # A write copies into the tensor the variable holds.
@@ -76,6 +78,33 @@ class TorchBackend(KerasOpsBackend):
             else:
                 target.copy_(value)
 
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        tensors = [v.value if hasattr(v, "value") else v for v in values]
+        if not tensors:
+            return torch.zeros((), dtype=torch.float32)
+        with torch.no_grad():
+            if all(t.dtype == torch.float32 for t in tensors):
+                # The `dtype` argument takes a slower kernel on the CPU.
+                norms = torch.stack(torch._foreach_norm(tensors, 2))
+            else:
+                norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+            return torch.dot(norms, norms)
+
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: bool) -> None:
+        # Four kernels per micro-step: the norms (one multi-tensor kernel),
+        # their stack, its dot product, and a multiply-add (or a multiply).
+        square = self.squared_norm(values)
+        target = total.value
+        with torch.no_grad():
+            if weight is None and first:
+                target.copy_(square)
+            elif weight is None:
+                target.add_(square)
+            elif first:
+                torch.mul(square, weight, out=target)
+            else:
+                target.addcmul_(square, torch.as_tensor(weight, dtype=target.dtype))
+
     def zero_if(self, condition: bool, variables: Sequence[Any]) -> None:
         if condition and variables:
             with torch.no_grad():
@@ -101,7 +130,7 @@ class TorchBackend(KerasOpsBackend):
                 values.append(target)
         update.apply(values)
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
         if bool(condition):
             fn()
 

@@ -52,6 +52,11 @@ def checkpoint_class() -> type:
             if state.touched is not None:
                 self.touched = state.touched
             self.slices = KeptSlices(core)
+            if state.noise is not None:
+                self.noise = state.noise.variables()
+            if state.compensations is not None:
+                self.compensations = state.compensations
+                state.compensations = self.compensations  # the tracked list
             with distribution.creation_scope(core.family.strategy()):
                 self.scale = distribution.mirrored_counter(1, name="sum_scale", dtype=tf.float32)
             self._core = core

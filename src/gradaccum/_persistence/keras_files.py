@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from gradaccum._noise import NAMES as NOISE_NAMES
 from gradaccum._state import State
 
 KEY = "gradaccum_"
@@ -105,13 +106,26 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
         # Keras stores hold numbers only: UTF-8 bytes, separated by NUL.
         f"{KEY}names": np.frombuffer(names, dtype=np.uint8),
     }
+    if state.noise is not None:
+        # The noise scale's estimates, and its sum of the cycle so far.
+        for name, variable in zip(NOISE_NAMES, state.noise.variables()):
+            values[f"{KEY}noise_{name}"] = np.asarray(backend.saved(variable, False), np.float32)
     for i, accumulator in enumerate(state.accumulators):
-        value = backend.saved(accumulator, state.keeps_maximum(i))
+        value = _portable(backend.saved(accumulator, state.keeps_maximum(i)))
         values[f"{KEY}accumulator_{i}"] = value if begun else np.zeros_like(value)
+        if state.compensations is not None:
+            value = _portable(backend.saved(state.compensations[i], False))
+            values[f"{KEY}compensation_{i}"] = value if begun else np.zeros_like(value)
         if i in state.kept:
             for key, held in state.kept[i].saved().items():
                 values[f"{KEY}{key}_{i}"] = held
     return values
+
+
+def _portable(value: np.ndarray) -> np.ndarray:
+    # Keras stores hold NumPy's own dtypes: bfloat16 is written as float32
+    # (exactly) and cast back when loaded.
+    return value.astype(np.float32) if value.dtype.name == "bfloat16" else value
 
 
 def _touched(state: State, backend: Any) -> np.ndarray:
@@ -176,6 +190,11 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
         value = np.asarray(values[f"{KEY}accumulator_{j}"]).copy()
         backend.load(state.accumulators[i], value.astype(backend.saved(state.accumulators[i], False).dtype),
                      state.keeps_maximum(i))
+        if state.compensations is not None:
+            # A file written without compensation: the sums are exact as held.
+            held = np.asarray(values.get(f"{KEY}compensation_{j}", np.zeros_like(value)))
+            target = state.compensations[i]
+            backend.load(target, held.astype(backend.saved(target, False).dtype), False)
     micro_step = int(np.asarray(values[f"{KEY}micro_step"]))
     backend.set_counter(state.micro_step, micro_step)
     if f"{KEY}seen" in values:
@@ -191,6 +210,10 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
     if state.touched is not None:
         mask = np.array([int(i in touched) for i in range(len(state.accumulators))], np.int32)
         backend.load(state.touched, mask, True)
+    if state.noise is not None:
+        # A file written without the noise scale leaves it unmeasured.
+        for name, variable in zip(NOISE_NAMES, state.noise.variables()):
+            backend.load(variable, np.asarray(values.get(f"{KEY}noise_{name}", 0.0), np.float32), False)
     # Written before weights existed, every micro-batch weighed 1.
     total = values.get(f"{KEY}weight_total", np.asarray(micro_step, np.float32))
     backend.load(state.weight_total, np.asarray(total, np.float32), False)

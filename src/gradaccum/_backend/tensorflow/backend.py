@@ -38,8 +38,10 @@ class TensorFlowBackend:
     # ------------------------------------------------------------------
     # State.
 
-    def create_state(self, family: Any, variables: Sequence[Any], n: int | None) -> StateVariables:
-        accumulators = self.new_accumulators(family, variables)
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
+        accumulators = self.new_accumulators(family, variables, dtype)
         with distribution.creation_scope(family.strategy()):
             touched = None
             if self.masks_each(family):
@@ -58,11 +60,11 @@ class TensorFlowBackend:
         and whose per-variable update synchronises nothing (Keras 3)."""
         return family.masks_writes and family.per_variable_update is not None
 
-    def new_accumulators(self, family: Any, variables: Sequence[Any]) -> list[Any]:
+    def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
         with distribution.creation_scope(family.strategy()):
             return [
                 distribution.replica_local(
-                    tf.zeros(v.shape, dtype=tensors.accumulator_dtype(v)),
+                    tf.zeros(v.shape, dtype=tensors.accumulator_dtype(v, dtype)),
                     name="accumulator",
                     colocate_with=family.model_variable(v),
                 )
@@ -121,6 +123,17 @@ class TensorFlowBackend:
 
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         tensors.add_scalar(total, value, first)
+
+    def scalar_variable(self, family: Any, name: str) -> Any:
+        with distribution.creation_scope(family.strategy()):
+            return distribution.replica_local(tf.constant(0.0), name=name)
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        return tensors.squared_norm(values)
+
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        square = tensors.squared_norm(values)
+        tensors.add_scalar(total, square if weight is None else square * tf.cast(weight, tf.float32), first)
 
     def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
         if variables:
@@ -187,7 +200,7 @@ class TensorFlowBackend:
         inputs = [values] if update.divisor is None else [values, update.divisor]
         updates.skipped_update(update.ends, apply, *inputs)
 
-    def when(self, condition: Any, fn: Callable[[], None]) -> None:
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
         if tf.executing_eagerly():
             if bool(condition):
                 fn()

@@ -56,10 +56,12 @@ def compiled_by_xla() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def accumulator_dtype(variable: Any) -> tf.DType:
-    """float64 for float64 variables, float32 for every other dtype."""
-    dtype = tf.as_dtype(variable.dtype)
-    return tf.float64 if dtype == tf.float64 else tf.float32
+def accumulator_dtype(variable: Any, dtype: str = "float32") -> tf.DType:
+    """float64 for float64 variables, float32 for those that keep a
+    maximum, `dtype` for every other."""
+    if tf.as_dtype(variable.dtype) == tf.float64:
+        return tf.float64
+    return tf.float32 if getattr(variable, "overwrite_with_gradient", False) else tf.as_dtype(dtype)
 
 
 def select(condition: tf.Tensor, new: Any, old: Any) -> tf.Tensor:
@@ -146,6 +148,21 @@ def add_scalar(total: tf.Variable, value: Any, first: tf.Tensor) -> None:
     micro-step (`first`)."""
     value = tf.cast(value, total.dtype)
     total.assign(select(first, value, total.value() + value), read_value=False)
+
+
+def squared_norm(values: Sequence[Any]) -> tf.Tensor:
+    """The float32 sum of squares of every element of `values` (of a
+    `tf.IndexedSlices`, of its dense value: repeated rows summed first)."""
+    parts = []
+    for v in values:
+        if isinstance(v, tf.IndexedSlices):
+            unique, positions = tf.unique(v.indices)
+            v = tf.math.unsorted_segment_sum(v.values, positions, tf.shape(unique)[0])
+        v = v.value() if isinstance(v, tf.Variable) else v
+        # `l2_loss` (sum of squares / 2) is one pass over memory; a square,
+        # then a sum, writes and reads a temporary as large as the gradient.
+        parts.append(tf.nn.l2_loss(tf.cast(v, tf.float32)))
+    return 2.0 * tf.add_n(parts) if parts else tf.constant(0.0)
 
 
 def any_nonzero(values: Sequence[Any]) -> tf.Tensor:
