@@ -185,3 +185,16 @@ def latest(core: Any) -> float | None:
     noise = None if core.state is None else core.state.noise
     values = None if noise is None else noise.read()
     return None if values is None else values["noise_scale"]
+
+
+def view_fields(noise: Noise | None, readable: bool) -> dict[str, Any]:
+    """The noise scale's fields of `AccumulationState`: None where it is
+    not measured, or not `readable` (inside a traced function)."""
+    read = (noise.read() if noise is not None and readable else None) or {}
+    return {
+        "noise_scale": read.get("noise_scale"),
+        "gradient_sq": read.get("gradient_sq"),
+        "gradient_trace": read.get("trace"),
+        "noise_batch": read.get("batch"),
+        "noise_cycles": None if not read else int(read["cycles"]),
+    }

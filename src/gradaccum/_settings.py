@@ -76,12 +76,12 @@ class Settings:
                 "noise_scale=True measures the noise scale from mean micro-gradients; it needs "
                 f"reduction=\"mean\". Received: reduction={self.reduction!r}."
             )
-        if self.accumulator_dtype != "float32" and self.sparse != "rows":
+        if self.accumulator_dtype != "float32" and self.sparse == "slices":
             raise ValueError(
                 f"accumulator_dtype={self.accumulator_dtype!r} sums dense gradients with compensation; "
                 f"sparse={self.sparse!r} keeps slices instead. Use sparse=\"rows\" or accumulator_dtype=\"float32\"."
             )
-        if self.noise_scale and self.sparse != "rows":
+        if self.noise_scale and self.sparse == "slices":
             raise ValueError(
                 "noise_scale=True reads the cycle's sums from the accumulators, which "
                 f"sparse=\"slices\" leaves empty; use sparse=\"rows\". Received: sparse={self.sparse!r}."

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from keras import ops
 
+from gradaccum import _noise
 from gradaccum._backend import Backend
 from gradaccum._view import AccumulationState
 
@@ -301,19 +302,13 @@ class State:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it
         (settled first, see `settle`)."""
         self.settle()
-        noise = self.noise.read() if self.noise is not None and self._backend.writable_now(self.micro_step) else None
-        noise = noise or {}
         return AccumulationState(
             variables=tuple(self.variables),
             accumulators=tuple(self.accumulators),
             micro_step=self._backend.snapshot(self.micro_step),
             weight_total=self._backend.snapshot(self.weight_total),
             kept_slices=self._kept_view(),
-            noise_scale=noise.get("noise_scale"),
-            gradient_sq=noise.get("gradient_sq"),
-            gradient_trace=noise.get("trace"),
-            noise_batch=noise.get("batch"),
-            noise_cycles=None if not noise else int(noise["cycles"]),
+            **_noise.view_fields(self.noise, self._backend.writable_now(self.micro_step)),
         )
 
     def _kept_view(self) -> dict[int, tuple[Any, Any]]:

@@ -115,6 +115,7 @@ class KerasOpsBackend:
         # Why the accumulators are not device-local under a distribution.
         self.why_not_local: str | None = None
         self._axis: device_local.DataAxis | None = None
+        self._global_only: str | None = None
 
     # ------------------------------------------------------------------
     # State.
@@ -160,6 +161,9 @@ class KerasOpsBackend:
         if dtype != "float32":
             self.why_not_local = f"accumulator_dtype={dtype!r} keeps compensations that are not device-local"
             return None
+        if self._global_only is not None:
+            self.why_not_local = self._global_only
+            return None
         layouts = []
         for v in variables:
             if getattr(v, "overwrite_with_gradient", False):
@@ -203,6 +207,11 @@ class KerasOpsBackend:
                 f"TensorFlow backend has; the active Keras backend is "
                 f"{keras.config.backend()!r}. Use sparse=\"auto\" (the default) or \"rows\"."
             )
+        # The noise scale takes each micro-batch's whole gradient, which
+        # device-local accumulators never see.
+        self._global_only = None
+        if settings.noise_scale:
+            self._global_only = "noise_scale=True measures each micro-batch's whole gradient"
 
     def check_build(self, family: Any, sparse: str) -> None:
         if is_traced(family.iterations.value):
