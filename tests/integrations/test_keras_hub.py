@@ -15,7 +15,7 @@ import pytest
 
 import gradaccum
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.support import MODES, assert_states_close, assert_states_equal, full_state
+from tests.helpers import MODES, assert_states_close, assert_states_equal, full_state
 
 N, B, CYCLES = 2, 4, 3
 LENGTH = 8

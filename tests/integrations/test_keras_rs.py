@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from gradaccum import accumulate
-from tests.support import MODES, assert_states_close, assert_states_equal, full_state
+from tests.helpers import MODES, assert_states_close, assert_states_equal, full_state
 
 N, B, CYCLES = 3, 4, 3
 USERS, ITEMS = 5, 7

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.support import MODES, assert_states_close, full_state, make_data
+from tests.helpers import MODES, assert_states_close, full_state, make_data
 
 N, B, CYCLES = 2, 4, 3
 X, Y = make_data(B * N * CYCLES)
