@@ -11,7 +11,6 @@ rounding: each micro-batch weighs the count its loss was divided by.
 
 from __future__ import annotations
 
-import pickle
 import warnings
 
 import keras
@@ -19,7 +18,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import gradaccum
 from gradaccum import accumulate
 from gradaccum.callbacks import FlushPartialCycle
 from tests.helpers import MODES, assert_states_close, fit, fit_pair, full_state, make_mlp, max_difference
@@ -438,21 +436,3 @@ def test_custom_train_step_gets_the_count_unless_it_passes_a_weight():
     opt = accumulate(keras.optimizers.SGD(0.5), N)
     model = fit(_custom_step_model(1.0), opt, x, y, B, loss=TOKEN_LOSS)
     assert_states_close(_equal_weights_custom_loop(x, y), full_state(model, opt))
-
-
-def test_unknown_weigh_by_is_refused():
-    with pytest.raises(ValueError, match="weigh_by"):
-        accumulate(keras.optimizers.SGD(), 2, weigh_by="tokens")
-    with pytest.raises(ValueError, match="weigh_by"):
-        accumulate(n=2, weigh_by=None)
-
-
-def test_weigh_by_survives_configs_pickles_and_copies():
-    opt = accumulate(keras.optimizers.SGD(), 2, weigh_by="batch")
-    config = keras.saving.serialize_keras_object(opt)
-    assert config["config"]["weigh_by"] == "batch"
-    assert keras.saving.deserialize_keras_object(config).weigh_by == "batch"
-    assert pickle.loads(pickle.dumps(opt)).weigh_by == "batch"
-    assert "weigh_by='batch'" in repr(opt)
-    assert accumulate(keras.optimizers.SGD(), 2).weigh_by == "count"
-    assert isinstance(opt, gradaccum.AccumulatingOptimizer)

@@ -1,7 +1,10 @@
-"""What `accumulate()` and the accumulating optimizer refuse, and how: bad
-arguments fail early, naming the argument, on every backend."""
+"""The arguments of `accumulate()` and of a micro-step, on every backend:
+bad ones fail early and name the argument; good ones are carried by
+configs and copies."""
 
 from __future__ import annotations
+
+import pickle
 
 import keras
 import numpy as np
@@ -60,6 +63,24 @@ def test_unknown_reduction():
 def test_decorator_rejects_non_callables():
     with pytest.raises(TypeError, match="decorates an optimizer class or factory"):
         accumulate(n=2)(3)
+
+
+def test_unknown_weigh_by_is_refused():
+    with pytest.raises(ValueError, match="weigh_by"):
+        accumulate(keras.optimizers.SGD(), 2, weigh_by="tokens")
+    with pytest.raises(ValueError, match="weigh_by"):
+        accumulate(n=2, weigh_by=None)
+
+
+def test_weigh_by_survives_configs_pickles_and_copies():
+    opt = accumulate(keras.optimizers.SGD(), 2, weigh_by="batch")
+    config = keras.saving.serialize_keras_object(opt)
+    assert config["config"]["weigh_by"] == "batch"
+    assert keras.saving.deserialize_keras_object(config).weigh_by == "batch"
+    assert pickle.loads(pickle.dumps(opt)).weigh_by == "batch"
+    assert "weigh_by='batch'" in repr(opt)
+    assert accumulate(keras.optimizers.SGD(), 2).weigh_by == "count"
+    assert isinstance(opt, AccumulatingOptimizer)
 
 
 # ----------------------------------------------------------------------
