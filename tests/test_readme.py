@@ -1,12 +1,11 @@
 """The README's recipes run as written, each in a fresh interpreter."""
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from tests.helpers.processes import run_python
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -27,11 +26,5 @@ def test_readme_has_the_recipes():
 
 
 @pytest.mark.parametrize("title, code", _recipes(), ids=[t for t, _ in _recipes()])
-def test_recipe_runs(title, code, tmp_path):
-    script = tmp_path / "recipe.py"
-    script.write_text(code)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_recipe_runs(title, code):
+    run_python(code, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
