@@ -460,11 +460,11 @@ def run_subject(case: Case, resume_at: int | None = None):
 def run_reference(case: Case, scale: float | None = None):
     """Trains the plain optimizer on the large batch (B*n) of each cycle.
 
-    A head enters the large-batch loss from the cycle in which any
-    micro-step first included it (with zero weight on the samples of
-    micro-steps that left it out): the accumulating optimizer's documented
-    rule that a variable takes part in every update from the first
-    micro-step on which it received a gradient.
+    A cycle's large-batch loss holds the heads that some micro-step of the
+    cycle included (with zero weight on the samples of micro-steps that
+    left them out): the accumulating optimizer's rule that a cycle's update
+    takes the variables with a gradient in that cycle, and leaves a variable
+    without one in the whole cycle alone, as the large batch does.
 
     Args:
         case: The drawn run.
@@ -482,13 +482,11 @@ def run_reference(case: Case, scale: float | None = None):
     if case.build_first:
         opt.build(model.trainable_variables)
     n = case.n
-    seen: set[int] = set()
     step = large_batch_fn(model, opt, case.mode)
     for c in range(case.cycles):
         sizes = [case.size(i) for i in range(c * n, (c + 1) * n)]
         cycle_heads = case.heads[c * n : (c + 1) * n]
-        for heads in cycle_heads:
-            seen.update(heads)
+        seen = set().union(*cycle_heads)
         weights = [
             _tensor(np.repeat([float(h in heads) for heads in cycle_heads], sizes), "float32")
             for h in range(HEADS)
@@ -511,8 +509,8 @@ def run_summed(case: Case):
     Per cycle: the gradient of each micro-batch's loss (in the case's mode),
     summed in float32 in micro-step order (weighted by size for weighted
     runs), divided by n (or the total weight; not at all for `"sum"`), and
-    applied once. Variables follow the same rule as `run_reference`: from the
-    first micro-step that gave them a gradient on, zeros where none.
+    applied once. Variables follow the same rule as `run_reference`: those
+    with a gradient in the cycle, zeros on the micro-steps that gave none.
 
     Returns:
         `(state, model, optimizer)` after `case.cycles` updates.
@@ -535,7 +533,6 @@ def run_summed(case: Case):
         opt.apply_gradients(zip(grads, [variables[i] for i in indices]))
 
     grads_of, apply = _compile(grads_of, case.mode), _compile(apply, case.mode)
-    seen: set[int] = set()
     for c in range(case.cycles):
         sums: dict[int, Any] = {}
         total = _tensor(0.0)
@@ -548,13 +545,9 @@ def run_summed(case: Case):
                 g = tf.convert_to_tensor(g) if BACKEND == "tensorflow" else g
                 g = g if w is None else g * w
                 sums[k] = g if k not in sums else sums[k] + g
-                seen.add(k)
             total = total + (_tensor(1.0) if w is None else w)
-        included = sorted(seen)
-        grads = [
-            sums[k] if k in sums else keras.ops.zeros(tuple(variables[k].shape), variables[k].dtype)
-            for k in included
-        ]
+        included = sorted(sums)
+        grads = [sums[k] for k in included]
         if case.reduction == "mean":
             grads = [g / total for g in grads]
         apply(grads, tuple(included))

@@ -76,9 +76,9 @@ def test_traced_loop_whose_none_pattern_changes_is_exact_or_refused(case):
     train silently wrong. Any run that completes equals large batch.
 
     Drawn so that a head, once in the loss, is in it at least once in every
-    later cycle: whether a traced step gives a variable without a gradient
-    in a whole cycle a zero gradient (the documented eager rule) or skips it
-    (as the large batch does) depends on when that step was traced.
+    later cycle: this property is about stale traces; a variable without a
+    gradient in a whole cycle is drawn eagerly by the other properties, and
+    traced in tests/test_semantics.py.
     """
     assume(_every_seen_head_in_every_later_cycle(case))
     reference, _, _ = run_reference(case)
