@@ -20,16 +20,16 @@ Tracing dominates the cost, so models are built once per shape and reset by
 assigning their saved initial weights; the optimizers are new per run (their
 traced update is cheap next to a model build).
 
-The runs work on every Keras backend: on TensorFlow in the modes "eager",
-"tf_function" and "jit"; on JAX and PyTorch eagerly (`property_tests/backends`),
-with gradients taken the backend's way (`tests.backends.helpers.gradients_of`).
+The runs work on every Keras backend: on TensorFlow in the execution modes
+"eager", "tf_function" and "jit"; on JAX and PyTorch eagerly, with gradients
+taken the backend's way (`tests.helpers.gradients_of`). State capture,
+comparison and tolerances are the test suite's (`tests.helpers`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,9 +39,17 @@ import numpy as np
 from hypothesis import settings
 
 from gradaccum import accumulate
-from tests.backends.helpers import gradients_of
+from tests.helpers import (
+    BACKEND,
+    assert_states_close,
+    assert_states_equal,
+    core_of,
+    full_state,
+    gradients_of,
+    model_state,
+    rounding_floor,
+)
 
-BACKEND = keras.config.backend()
 if BACKEND == "tensorflow":
     import tensorflow as tf
 
@@ -50,20 +58,6 @@ IN_DIM = 5
 OUT_DIM = 2
 VOCAB = 50
 IDS_PER_SAMPLE = 3
-
-# Float32 rounding between two equivalent runs on these small models (batch
-# B*n once vs n micro-batches summed in float32, then the same optimizer
-# update), as in tests/support.py: typically 1e-8..3e-7 absolute after a few
-# cycles; relative 1e-5 covers values far from zero.
-RTOL = 1e-5
-ATOL = 1e-6
-# Where two equivalent plain runs already differ by more than that (an
-# ill-conditioned gradient component, see `rounding_floor`), the accumulated
-# run may differ from the reference by this many times as much (measured
-# ratios: 1.0 eagerly, where the two runs are bit-identical, and up to 1.5
-# under XLA, which fuses the two runs' graphs differently).
-FLOOR_FACTOR = 4.0
-
 
 def scaled(ci_examples: int) -> settings:
     """Settings with `ci_examples` under the ci profile, scaled for others."""
@@ -205,7 +199,9 @@ def _optimizer_module(module: str) -> Any:
 # ----------------------------------------------------------------------
 # A drawn run.
 
-MODES = ("eager", "tf_function", "jit")
+# How a drawn run's steps execute (`Case.mode`): eagerly, in a
+# `tf.function`, or one compiled by XLA; on JAX and PyTorch eagerly only.
+EXECUTIONS = ("eager", "tf_function", "jit") if BACKEND == "tensorflow" else ("eager",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +217,7 @@ class Case:
     extra: int
     # Per micro-step: the heads whose loss terms are included.
     heads: tuple[tuple[int, ...], ...]
-    mode: str
+    mode: str  # one of EXECUTIONS
     data_seed: int
     build_first: bool = True
     # None, or how a float32 LossScaleOptimizer is combined with the
@@ -348,99 +344,7 @@ def large_batch_fn(model: keras.Model, opt: Any, mode: str) -> Callable[..., Any
 
 
 # ----------------------------------------------------------------------
-# State.
-
-
-def optimizer_state(optimizer: Any) -> dict[str, np.ndarray]:
-    """Every optimizer variable by name, in creation order.
-
-    Keyed by the last path component: the path's leading parts are the names
-    of the optimizers holding the variable (unique per instance, and nested
-    under a LossScaleOptimizer), which differ between equivalent runs.
-    """
-    out = {}
-    for v in optimizer_variables(optimizer):
-        if v.path.rsplit("/", 1)[-1].startswith("gradaccum_"):
-            continue  # the accumulation state (listed on JAX and PyTorch)
-        path = re.sub(r"_\d+$", "", v.path.rsplit("/", 1)[-1])
-        key, k = f"opt/{path}", 1
-        while key in out:
-            key, k = f"opt/{path}#{k}", k + 1
-        out[key] = np.asarray(v.numpy())
-    return out
-
-
-def optimizer_variables(optimizer: Any) -> list[Any]:
-    """`optimizer.variables`, and variables its (inner) optimizers hold.
-
-    A LossScaleOptimizer builds its inner optimizer with Keras's variable
-    tracking off, so variables an optimizer's `build` creates directly
-    (Nadam's `_u_product`, Adafactor's placeholders) are missing from
-    `variables` there; they are optimizer state all the same.
-    """
-    found = list(optimizer.variables)
-    known = {id(v) for v in found}
-    pending = [optimizer]
-    while pending:
-        opt = pending.pop(0)
-        opt = getattr(opt, "__wrapped__", opt)  # an AccumulatingOptimizer
-        known |= {id(v) for v in getattr(opt, "_trainable_variables", [])}
-        for value in vars(opt).values():
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, keras.optimizers.Optimizer):
-                    pending.append(item)
-                elif isinstance(item, keras.Variable) and id(item) not in known:
-                    known.add(id(item))
-                    found.append(item)
-    return found
-
-
-def full_state(model: keras.Model, optimizer: Any) -> dict[str, np.ndarray]:
-    """Model weights and optimizer variables by path, and `iterations`."""
-    out = {f"model/{v.path}": np.asarray(v.numpy()) for v in model.weights}
-    out.update(optimizer_state(optimizer))
-    out["iterations"] = np.asarray(int(optimizer.iterations.numpy()))
-    return out
-
-
-def model_state(model: keras.Model) -> dict[str, np.ndarray]:
-    return {f"model/{v.path}": np.asarray(v.numpy()) for v in model.weights}
-
-
-def rounding_floor(reference: dict, summed: dict) -> dict[str, float]:
-    """Per state entry: how far two equivalent plain runs differ.
-
-    `summed` is the plain optimizer applied, once per cycle, to the mean of
-    the micro-batch gradients that the test itself computes and sums in
-    float32 (`run_summed`): mathematically the large-batch run, with no
-    gradaccum involved, rounded the way accumulation rounds. Mostly the two
-    agree to ~1e-7. But a gradient component that is a sum of terms
-    cancelling to almost nothing carries a rounding error far above
-    float32's relative precision, and an optimizer that normalises its step
-    (Adam's m/sqrt(v), RMSprop, sign-like updates) makes its step size
-    independent of the component's size, so that relative error becomes an
-    absolute one of order `learning_rate * error` in the weights (measured:
-    1.9e-4 on one weight of a drawn Conv2D/AdamW run under XLA).
-    """
-    return {
-        k: float(np.max(np.abs(np.asarray(reference[k], np.float64) - summed[k]), initial=0.0))
-        for k in reference
-    }
-
-
-def assert_states_close(reference: dict, subject: dict, rtol: float = RTOL,
-                        atol: float = ATOL, floor: dict[str, float] | None = None) -> None:
-    """Every entry within float32 rounding of the reference.
-
-    Within `rtol`/`atol`, or, for an entry whose two equivalent plain runs
-    differ by more (see `rounding_floor`), within `FLOOR_FACTOR` times that.
-    """
-    assert sorted(reference) == sorted(subject), sorted(set(reference) ^ set(subject))
-    assert int(subject["iterations"]) == int(reference["iterations"])
-    for key in reference:
-        extra = FLOOR_FACTOR * floor[key] if floor else 0.0
-        np.testing.assert_allclose(subject[key], reference[key], rtol=rtol, atol=atol + extra,
-                                   err_msg=key)
+# Comparison.
 
 
 def assert_matches_large_batch(case: Case, reference: dict, subject: dict) -> None:
@@ -448,31 +352,21 @@ def assert_matches_large_batch(case: Case, reference: dict, subject: dict) -> No
 
     Within `RTOL`/`ATOL`; only if that fails is the summed plain run made
     (`run_summed`), and entries may then differ by up to `FLOOR_FACTOR`
-    times its distance from the reference (see `rounding_floor`).
+    times its distance from the reference (see `tests.helpers.rounding_floor`).
+    A loss-scale optimizer's step counter counts finite loss-scaled backward
+    passes, batches for the reference and micro-batches for the subject, and
+    is checked on its own.
     """
+    if case.loss_scale:
+        reference, subject = dict(reference), dict(subject)
+        assert int(reference.pop(STEP_COUNTER)) == case.cycles
+        assert int(subject.pop(STEP_COUNTER)) == case.micro_steps
     try:
         assert_states_close(reference, subject)
     except AssertionError:
         summed, _, _ = run_summed(case)
         summed = {k: v for k, v in summed.items() if k in reference}
         assert_states_close(reference, subject, floor=rounding_floor(reference, summed))
-
-
-def assert_finite(state: dict) -> None:
-    """A drawn run must stay finite, or a comparison would prove nothing."""
-    bad = [k for k, v in state.items() if not np.all(np.isfinite(v))]
-    assert not bad, f"non-finite reference state (invalid draw?): {bad}"
-
-
-def assert_states_equal(before: dict, after: dict, what: str = "") -> None:
-    """Every array equal (`np.array_equal`) and of the same dtype and shape."""
-    assert sorted(before) == sorted(after), sorted(set(before) ^ set(after))
-    changed = [
-        k
-        for k in before
-        if before[k].dtype != after[k].dtype or not np.array_equal(before[k], after[k])
-    ]
-    assert not changed, f"{what}: changed {changed}"
 
 
 # ----------------------------------------------------------------------
@@ -500,11 +394,6 @@ def make_subject(case: Case) -> Any:
     if case.loss_scale == "lso_accumulate":
         return LSO(accumulate(inner, case.n, **kwargs))
     return accumulate(inner, case.n, **kwargs)
-
-
-def accumulating(opt: Any) -> Any:
-    """The AccumulatingOptimizer in `opt` (it, or a LossScaleOptimizer's inner)."""
-    return opt.inner_optimizer if type(opt) is LSO else opt
 
 
 def _checkpoint(model: keras.Model, opt: Any, directory: str) -> str:
@@ -557,7 +446,7 @@ def run_subject(case: Case, resume_at: int | None = None):
             weight = _tensor(float(case.size(i))) if case.weighted else None
             step(_rows(xs, lo, hi), _rows(ys, lo, hi), case.heads[i], weight)
             applied += applies
-            assert int(accumulating(opt).micro_step) == (i + 1) % case.n, f"micro-step {i}"
+            assert int(core_of(opt).micro_step) == (i + 1) % case.n, f"micro-step {i}"
             assert int(opt.iterations) == applied, f"micro-step {i}"
             if case.loss_scale:
                 assert int(opt.step_counter.numpy()) == i + 1, f"micro-step {i}"
@@ -571,11 +460,11 @@ def run_subject(case: Case, resume_at: int | None = None):
 def run_reference(case: Case, scale: float | None = None):
     """Trains the plain optimizer on the large batch (B*n) of each cycle.
 
-    A head enters the large-batch loss from the cycle in which any
-    micro-step first included it (with zero weight on the samples of
-    micro-steps that left it out): the accumulating optimizer's documented
-    rule that a variable takes part in every update from the first
-    micro-step on which it received a gradient.
+    A cycle's large-batch loss holds the heads that some micro-step of the
+    cycle included (with zero weight on the samples of micro-steps that
+    left them out): the accumulating optimizer's rule that a cycle's update
+    takes the variables with a gradient in that cycle, and leaves a variable
+    without one in the whole cycle alone, as the large batch does.
 
     Args:
         case: The drawn run.
@@ -593,13 +482,11 @@ def run_reference(case: Case, scale: float | None = None):
     if case.build_first:
         opt.build(model.trainable_variables)
     n = case.n
-    seen: set[int] = set()
     step = large_batch_fn(model, opt, case.mode)
     for c in range(case.cycles):
         sizes = [case.size(i) for i in range(c * n, (c + 1) * n)]
         cycle_heads = case.heads[c * n : (c + 1) * n]
-        for heads in cycle_heads:
-            seen.update(heads)
+        seen = set().union(*cycle_heads)
         weights = [
             _tensor(np.repeat([float(h in heads) for heads in cycle_heads], sizes), "float32")
             for h in range(HEADS)
@@ -622,8 +509,8 @@ def run_summed(case: Case):
     Per cycle: the gradient of each micro-batch's loss (in the case's mode),
     summed in float32 in micro-step order (weighted by size for weighted
     runs), divided by n (or the total weight; not at all for `"sum"`), and
-    applied once. Variables follow the same rule as `run_reference`: from the
-    first micro-step that gave them a gradient on, zeros where none.
+    applied once. Variables follow the same rule as `run_reference`: those
+    with a gradient in the cycle, zeros on the micro-steps that gave none.
 
     Returns:
         `(state, model, optimizer)` after `case.cycles` updates.
@@ -646,7 +533,6 @@ def run_summed(case: Case):
         opt.apply_gradients(zip(grads, [variables[i] for i in indices]))
 
     grads_of, apply = _compile(grads_of, case.mode), _compile(apply, case.mode)
-    seen: set[int] = set()
     for c in range(case.cycles):
         sums: dict[int, Any] = {}
         total = _tensor(0.0)
@@ -659,13 +545,9 @@ def run_summed(case: Case):
                 g = tf.convert_to_tensor(g) if BACKEND == "tensorflow" else g
                 g = g if w is None else g * w
                 sums[k] = g if k not in sums else sums[k] + g
-                seen.add(k)
             total = total + (_tensor(1.0) if w is None else w)
-        included = sorted(seen)
-        grads = [
-            sums[k] if k in sums else keras.ops.zeros(tuple(variables[k].shape), variables[k].dtype)
-            for k in included
-        ]
+        included = sorted(sums)
+        grads = [sums[k] for k in included]
         if case.reduction == "mean":
             grads = [g / total for g in grads]
         apply(grads, tuple(included))

@@ -1,7 +1,8 @@
 """A state machine against a plain-Python model of the accumulation.
 
-Shared by the Keras 3 machine (`test_state_machine.py`) and the tf_keras
-one (`tf_keras/test_state_machine.py`); each supplies its optimizer family.
+Shared by the Keras 3 machine (`backends/test_state_machine.py`, on every
+backend) and the tf_keras one (`tf_keras/test_state_machine.py`); each
+supplies its optimizer family.
 
 Hypothesis interleaves micro-steps (dense, sparse and `None` gradients,
 weighted or not), non-finite micro-batches under a `LossScaleOptimizer`,
@@ -21,8 +22,7 @@ equal the model's bit for bit (`np.array_equal`).
 `n` per applied update, its last entry repeated, passed as a callable of
 `iterations` written with Keras ops.
 
-On JAX and PyTorch (`property_tests/backends`) the machine runs the same
-rules eagerly, with these differences: gradients are dense (only TensorFlow
+On JAX and PyTorch the machine runs the same rules eagerly, with these differences: gradients are dense (only TensorFlow
 has `tf.IndexedSlices`), checkpoints are the Keras-file stores
 (`save_own_variables`/`load_own_variables`) instead of `tf.train.Checkpoint`,
 counters are read eagerly only, and on JAX no loss-scale optimizer joins in
@@ -49,8 +49,8 @@ from hypothesis.stateful import (
 )
 
 from gradaccum import accumulate
+from tests.helpers import BACKEND, MODES
 
-BACKEND = keras.config.backend()
 if BACKEND == "tensorflow":
     import tensorflow as tf
 
@@ -80,7 +80,8 @@ def start_rule(specs: st.SearchStrategy[Any]) -> Any:
         wrap=st.sampled_from(WRAPS),
         scale_exponent=st.integers(0, 15),
         growth=st.integers(1, 4),
-        update=st.sampled_from(["masked", "skip"]),
+        # The mode changes what runs on TensorFlow only.
+        update=st.sampled_from(MODES if BACKEND == "tensorflow" else ("masked",)),
     )
     def start(self, spec, n, reduction, wrap, scale_exponent, growth, update):
         self._start(spec, n, reduction, wrap, scale_exponent, growth, update)

@@ -14,7 +14,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from property_tests.harness import HEADS, Case, ModelSpec, OptimizerSpec
+from property_tests.harness import EXECUTIONS, HEADS, Case, ModelSpec, OptimizerSpec
+from tests.helpers import BACKEND, MODES
 
 ALL_HEADS = tuple(range(HEADS))
 
@@ -198,13 +199,13 @@ _N = st.integers(2, 4)
 def cases(
     draw: st.DrawFn,
     n: st.SearchStrategy[int] = _N,
-    modes: tuple[str, ...] = ("eager", "eager", "tf_function", "jit"),
+    modes: tuple[str, ...] | None = None,
     reductions: tuple[str, ...] = ("mean", "sum"),
     optimizer: st.SearchStrategy[OptimizerSpec] | None = None,
     max_cycles: int = 3,
     heads_vary_when_traced: bool = False,
     weighted: bool = False,
-    loss_scales: tuple[str | None, ...] = (None, None, None, "accumulate_lso", "lso_accumulate"),
+    loss_scales: tuple[str | None, ...] | None = None,
 ) -> Case:
     """A drawn training run (see `harness.Case`).
 
@@ -212,8 +213,18 @@ def cases(
     traced runs the heads are one set for the whole run, unless
     `heads_vary_when_traced` (a traced step retraced per set of heads). With
     `weighted`, a third of the runs have ragged micro-batches passed with
-    `weight=` their size.
+    `weight=` their size. `modes` are the executions drawn from (default:
+    every one the backend has, eager twice as often on TensorFlow); the
+    `update` mode ("masked" or "skip") is drawn on TensorFlow only, where
+    it changes what runs.
     """
+    if modes is None:
+        modes = ("eager",) + EXECUTIONS
+    if loss_scales is None:
+        # On JAX Keras's loss-scale optimizer cannot run eagerly (its `apply`
+        # is a stateful `ops.cond`); tests/backends/test_mixed_precision.py
+        # covers it through `fit` and `stateless_apply`.
+        loss_scales = (None,) if BACKEND == "jax" else (None, None, None, "accumulate_lso", "lso_accumulate")
     mode = draw(st.sampled_from(modes))
     n_ = draw(n)
     cycles = draw(st.integers(1, max_cycles))
@@ -247,5 +258,5 @@ def cases(
         build_first=draw(st.booleans()),
         loss_scale=loss_scale,
         sizes=sizes,
-        update=draw(st.sampled_from(["masked", "skip"])),
+        update=draw(st.sampled_from(MODES if BACKEND == "tensorflow" else ("masked",))),
     )

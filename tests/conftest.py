@@ -1,7 +1,10 @@
 """Test-wide TensorFlow set-up; runs before TensorFlow initialises.
 
-On the JAX and PyTorch backends (`tests/backends` only) TensorFlow is not
-installed and nothing is set up here.
+The test files in this directory are TensorFlow's (`tox -e keras3`);
+`backends/` holds what every backend offers (run on TensorFlow, JAX and
+PyTorch), `tf_keras/` and `integrations/` run in their own environments,
+and `helpers/` is what all of them share. On JAX and PyTorch TensorFlow is
+not installed and nothing is set up here.
 """
 
 import os

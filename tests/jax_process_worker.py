@@ -24,7 +24,7 @@ LR = 1e-2
 
 def data():
     """The whole run's data, in the order one device sees it."""
-    from tests.support import make_data
+    from tests.helpers import make_data
 
     return make_data(MICRO_BATCH * N * CYCLES)
 
@@ -72,7 +72,7 @@ def main(port: str, process: int, output: str) -> None:
     import numpy as np
 
     from gradaccum import accumulate
-    from tests.support import full_state, make_mlp
+    from tests.helpers import full_state, make_mlp
 
     assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
     # Each process feeds its own share of every micro-batch (already split).

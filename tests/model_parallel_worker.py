@@ -23,7 +23,7 @@ import keras  # noqa: E402
 
 from gradaccum import accumulate  # noqa: E402
 from tests.backends.test_data_parallel_local import FALLBACK, _all_reduces, _optimized_train_step  # noqa: E402
-from tests.support import assert_states_close, fit, full_state, make_data, make_mlp  # noqa: E402
+from tests.helpers import assert_states_close, fit, full_state, make_data, make_mlp  # noqa: E402
 
 N, B = 4, 8
 # Wide enough that each device's share of a kernel's gradient (out: 8 x 3)

@@ -1,7 +1,7 @@
 """Adaptive gradient clipping: the accumulated gradient, clipped once per cycle.
 
 The reference trains the plain optimizer on batches of `B * n` in an eager
-loop and clips each large-batch gradient with `tests.agc_reference.np_agc`, a NumPy
+loop and clips each large-batch gradient with `tests.helpers.agc.np_agc`, a NumPy
 rendering of the paper's reference code written independently of
 `gradaccum._agc`. The subject trains `accumulate(optimizer, n, agc=...)` on
 micro-batches of `B`. Both start from the same weights and see the same data
@@ -20,19 +20,19 @@ import tensorflow as tf
 
 import gradaccum
 from gradaccum import accumulate
-from tests.agc_reference import np_agc, np_unit_norm, train_clipped
-from tests.support import (
+from tests.helpers import (
     ATOL,
-    MODES,
     assert_states_close,
     assert_states_equal,
     dtype_policy,
     fit,
     full_state,
+    gradients,
     make_data,
     make_mlp,
-    mirrored,
 )
+from tests.helpers.agc import np_agc, np_unit_norm, train_clipped
+from tests.helpers.distribute import mirrored
 
 N = 4
 MICRO_BATCH = 4
@@ -130,12 +130,11 @@ def test_reference_clips_some_units_and_not_others():
 # Equal to the large batch, clipped once.
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_fit_equals_large_batch_clipped(name, mode):
+def test_fit_equals_large_batch_clipped(name):
     x, y = _data()
     ref, _, _ = reference(make_mlp, OPTIMIZERS[name], x, y, MICRO_BATCH * N)
-    opt = accumulate(OPTIMIZERS[name](), N, mode=mode, agc=FACTOR, agc_eps=EPS)
+    opt = accumulate(OPTIMIZERS[name](), N, agc=FACTOR, agc_eps=EPS)
     got, _ = subject_fit(make_mlp, opt, x, y)
     assert_states_close(ref, got)
     assert int(opt.iterations) == CYCLES
@@ -146,13 +145,10 @@ def test_clipping_each_micro_batch_would_differ():
     large batch's clipped gradient: the equality above can fail."""
     x, y = _data()
     model = make_mlp()
-    grads = []
-    for start in range(0, MICRO_BATCH * N, MICRO_BATCH):
-        with tf.GradientTape() as tape:
-            loss = keras.losses.MeanSquaredError()(
-                y[start : start + MICRO_BATCH], model(x[start : start + MICRO_BATCH])
-            )
-        grads.append(tape.gradient(loss, model.trainable_variables))
+    grads = [
+        gradients(model, x[start : start + MICRO_BATCH], y[start : start + MICRO_BATCH])
+        for start in range(0, MICRO_BATCH * N, MICRO_BATCH)
+    ]
     kernel = model.trainable_variables[0].numpy()
     per_micro = np.mean([np_agc(np.asarray(g[0]), kernel, FACTOR, EPS)[0] for g in grads], axis=0)
     once = np_agc(np.mean([np.asarray(g[0]) for g in grads], axis=0), kernel, FACTOR, EPS)[0]

@@ -20,7 +20,8 @@ import tensorflow as tf
 from gradaccum import accumulate
 from gradaccum.callbacks import FlushPartialCycle
 from gradaccum.layers import BatchNormalization, follow, replace_batch_normalization
-from tests.support import MODES, assert_states_equal, dtype_policy, full_state, mirrored
+from tests.helpers import MODES, assert_states_equal, dtype_policy, full_state
+from tests.helpers.distribute import mirrored
 
 N = 4
 B = 4

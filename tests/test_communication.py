@@ -13,7 +13,8 @@ import pytest
 import tensorflow as tf
 
 from gradaccum import accumulate
-from tests.support import MODES, assert_states_close, fit, full_state, make_data, make_mlp, mirrored
+from tests.helpers import MODES, assert_states_close, fit, full_state, make_data, make_mlp
+from tests.helpers.distribute import mirrored
 
 N = 3
 MICRO_BATCH = 4  # global: 2 samples per replica

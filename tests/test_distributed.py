@@ -15,27 +15,29 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradaccum import AccumulatingOptimizer, accumulate
-from tests.dist_support import (
+from gradaccum import accumulate
+from tests.helpers import (
+    MODES,
+    assert_states_close,
+    assert_states_equal,
+    core_of,
+    dtype_policy,
+    embedding_data,
+    fit,
+    full_state,
+    gradients,
+    make_data,
+    make_embedding_model,
+    make_mlp,
+)
+from tests.helpers.distribute import (
     RecordStates,
     check_micro_steps,
     custom_loop,
     distributed_batches,
+    mirrored,
     replica_accumulators,
     replica_states,
-)
-from tests.support import (
-    MODES,
-    assert_states_close,
-    assert_states_equal,
-    dtype_policy,
-    fit,
-    full_state,
-    make_data,
-    make_embedding_model,
-    make_mlp,
-    mirrored,
-    mse_grads,
 )
 
 N = 3
@@ -88,7 +90,7 @@ def _check_replicas_agree(strategy, model, optimizer):
 def test_clipping_is_active():
     """The clip thresholds above really clip, so the clipping tests can fail."""
     x, y = _data()
-    grads = mse_grads(make_mlp(), x[: MICRO_BATCH * N], y[: MICRO_BATCH * N])
+    grads = gradients(make_mlp(), x[: MICRO_BATCH * N], y[: MICRO_BATCH * N])
     assert min(float(tf.norm(g)) for g in grads) > 2 * CLIPNORM
     assert float(tf.linalg.global_norm(grads)) > 2 * GLOBAL_CLIPNORM
     assert max(float(tf.reduce_max(tf.abs(g))) for g in grads) > 2 * CLIPVALUE
@@ -218,25 +220,13 @@ def test_custom_loop_unbuilt_optimizer_raises(strategy):
     @tf.function
     def step(xb, yb):
         def replica_step(xb, yb):
-            grads = mse_grads(model, xb, yb)
+            grads = gradients(model, xb, yb)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
         strategy.run(replica_step, args=(xb, yb))
 
     with pytest.raises(ValueError, match=r"optimizer\.build"):
         step(x[:MICRO_BATCH], y[:MICRO_BATCH])
-
-
-def _sparse_data(unique_per_cycle: bool, vocab: int = 40):
-    rng = np.random.default_rng(1)
-    if unique_per_cycle:
-        per_cycle = MICRO_BATCH * N * 3
-        ids = [rng.permutation(vocab)[:per_cycle] for _ in range(CYCLES)]
-        x = np.concatenate(ids).reshape(-1, 3).astype("int32")
-    else:
-        x = rng.integers(0, 8, size=(MICRO_BATCH * N * CYCLES, 3)).astype("int32")
-    y = rng.normal(size=(len(x), 2)).astype("float32")
-    return x, y
 
 
 def _embedding_model():
@@ -255,8 +245,8 @@ def test_embedding_sparse_gradients(strategy, name, unique_per_cycle):
     with rows unique within a cycle, momentum SGD (linear in the gradient)
     with repeated rows.
     """
-    x, y = _sparse_data(unique_per_cycle)
-    grads = mse_grads(_embedding_model(), x[:MICRO_BATCH], y[:MICRO_BATCH])
+    x, y = embedding_data(MICRO_BATCH * N, CYCLES, unique_per_cycle)
+    grads = gradients(_embedding_model(), x[:MICRO_BATCH], y[:MICRO_BATCH])
     assert isinstance(grads[0], tf.IndexedSlices)
     reference = _reference_fit(OPTIMIZERS[name], _embedding_model, (x, y))
     with strategy.scope():
@@ -286,17 +276,6 @@ LSO_WRAPS = {
 
 
 
-def _core(optimizer):
-    """The accumulating optimizer inside either wrapping order.
-
-    A loss-scale optimizer's (or front's) `inner_optimizer` is the core; a
-    core around a plain optimizer has none.
-    """
-    core = getattr(optimizer, "inner_optimizer", optimizer)
-    assert isinstance(core, AccumulatingOptimizer)
-    return core
-
-
 def _scale(optimizer) -> float:
     return float(optimizer.dynamic_scale.numpy())
 
@@ -312,7 +291,7 @@ def test_loss_scale_optimizer_fit_mixed_float16(strategy, order, mode):
             model = make_mlp()
             model.compile(optimizer=LSO_WRAPS[order](mode), loss="mse")
         optimizer = model.optimizer
-        recorder = RecordStates(strategy, optimizer, _core(optimizer))
+        recorder = RecordStates(strategy, optimizer, core_of(optimizer))
         model.fit(
             x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0, callbacks=[recorder]
         )
@@ -369,7 +348,7 @@ def test_loss_scale_non_finite_micro_batch_dropped_on_every_replica(
         model = make_mlp()
         optimizer = LSO_WRAPS[order](mode)
         optimizer.build(model.trainable_variables)
-    core = _core(optimizer)
+    core = core_of(optimizer)
     loss_fn = keras.losses.MeanSquaredError(reduction=None)
 
     def replica_step(xb, yb, poison):

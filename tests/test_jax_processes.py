@@ -24,7 +24,7 @@ import pytest
 
 import gradaccum
 from tests import jax_process_worker as worker
-from tests.support import assert_states_close, fit, full_state, make_mlp
+from tests.helpers import assert_states_close, fit, full_state, make_mlp
 
 pytestmark = pytest.mark.skipif(keras.config.backend() != "jax", reason="JAX's multi-process runtime")
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 from keras import ops
 
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.support import assert_states_close, dtype_policy, full_state
+from tests.helpers import assert_states_close, dtype_policy, full_state
 
 N, B, CYCLES, T, VOCAB = 3, 4, 3, 6, 11
 # Half-precision rounding, as in test_mixed_precision.py: the micro-batch and

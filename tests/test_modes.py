@@ -1,11 +1,12 @@
-"""`mode="masked"` and `mode="skip"`: how each runs, and that both are exact.
+"""`mode="masked"` and `mode="skip"` on TensorFlow: how each runs, and that both are exact.
 
-The equivalence with large-batch training for every optimizer, feature and
-execution mode is in `test_optimizers.py` and `test_semantics.py`, which run
-once per mode. Here: the `mode` argument, `MirroredStrategy` with two
-replicas, how the masked update masks (no snapshot of all state for Keras 3
-optimizers, the snapshot as fallback, nothing left behind), what the end of
-a cycle leaves for the next, and tracing.
+That both modes give the same bits for every optimizer and feature is the
+property in `property_tests/test_modes.py`; the `mode` argument itself is
+checked on every backend in `tests/backends/test_arguments.py`. Here:
+`MirroredStrategy` with two replicas, how the masked update masks (no
+snapshot of all state for Keras 3 optimizers, the snapshot as fallback,
+nothing left behind), what the end of a cycle leaves for the next, and
+tracing.
 """
 
 import keras
@@ -13,12 +14,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradaccum import AccumulatingOptimizer, accumulate
+from gradaccum import accumulate
 from gradaccum._backend.tensorflow import updates
 from gradaccum._core import Core
 from gradaccum._keras3 import Keras3Family
-from tests.dist_support import replica_states
-from tests.support import (
+from tests.helpers import (
     MODES,
     assert_states_close,
     assert_states_equal,
@@ -28,8 +28,8 @@ from tests.support import (
     make_data,
     make_embedding_model,
     make_mlp,
-    mirrored,
 )
+from tests.helpers.distribute import mirrored, replica_states
 
 N, B, CYCLES = 3, 4, 3
 
@@ -40,49 +40,6 @@ def _adamw_ema():
 
 def _constrained_mlp():
     return make_mlp(kernel_constraint=keras.constraints.MaxNorm(0.5))
-
-
-# ----------------------------------------------------------------------
-# The argument.
-
-
-def test_default_mode_is_masked():
-    opt = accumulate(keras.optimizers.SGD(), 2)
-    assert opt.mode == "masked"
-    assert "mode='masked'" in repr(opt)
-
-
-def test_mode_in_every_entry_point():
-    assert accumulate(keras.optimizers.SGD(), 2, mode="skip").mode == "skip"
-    assert accumulate(n=2, mode="skip")(keras.optimizers.SGD)().mode == "skip"
-    assert AccumulatingOptimizer(keras.optimizers.SGD(), 2, mode="skip").mode == "skip"
-
-
-@pytest.mark.parametrize("bad", ["fast", "Skip", "", None, 1, True])
-def test_unknown_mode(bad):
-    with pytest.raises(ValueError, match="`mode` must be one of"):
-        accumulate(keras.optimizers.SGD(), 2, mode=bad)
-    with pytest.raises(ValueError, match="`mode` must be one of"):
-        accumulate(n=2, mode=bad)
-    with pytest.raises(ValueError, match="`mode` must be one of"):
-        AccumulatingOptimizer(keras.optimizers.SGD(), 2, mode=bad)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_config_round_trip_keeps_the_mode(mode):
-    lso = keras.optimizers.LossScaleOptimizer
-    for opt in (
-        accumulate(keras.optimizers.Adam(), 3, mode=mode),
-        accumulate(lso(keras.optimizers.Adam()), 3, mode=mode),
-    ):
-        assert opt.mode == mode
-        again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
-        assert issubclass(type(again), AccumulatingOptimizer)
-        assert (again.n, again.mode) == (3, mode)
-    # A config written before `mode` existed loads as the default.
-    config = keras.saving.serialize_keras_object(accumulate(keras.optimizers.Adam(), 3, mode=mode))
-    del config["config"]["mode"]
-    assert AccumulatingOptimizer.from_config(config["config"]).mode == "masked"
 
 
 # ----------------------------------------------------------------------

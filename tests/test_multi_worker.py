@@ -1,6 +1,6 @@
 """MultiWorkerMirroredStrategy, two worker processes on 127.0.0.1.
 
-The test starts two `tests/mwms_worker.py` processes with `TF_CONFIG`
+The test starts two `tests/helpers/mwms_worker.py` processes with `TF_CONFIG`
 naming free loopback ports, waits for both under one deadline (killing both
 on timeout or failure), and compares what they trained with the
 single-device large-batch reference computed here: a custom `strategy.run`
@@ -26,9 +26,9 @@ import numpy as np
 import tensorflow as tf
 
 import gradaccum
-from tests import mwms_worker as worker
-from tests.dist_support import check_micro_steps, custom_loop
-from tests.support import assert_states_close, fit, full_state, make_mlp
+from tests.helpers import assert_states_close, fit, full_state, make_mlp
+from tests.helpers import mwms_worker as worker
+from tests.helpers.distribute import check_micro_steps, custom_loop
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Both workers import TensorFlow (~7 s each on a loaded machine), connect,
@@ -83,7 +83,7 @@ def _run_workers(tmp_path: Path) -> list[dict[str, np.ndarray]]:
             with open(logs[i], "wb") as log:
                 procs.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "tests.mwms_worker", str(outputs[i])],
+                        [sys.executable, "-m", "tests.helpers.mwms_worker", str(outputs[i])],
                         cwd=REPO_ROOT,
                         env=_worker_env(cluster, i),
                         stdout=log,

@@ -5,7 +5,8 @@ import numpy as np
 import tensorflow as tf
 
 from gradaccum import accumulate
-from tests.support import make_data, make_mlp, mse_grads
+from tests.helpers import gradients as mse_grads
+from tests.helpers import make_data, make_mlp
 
 B, N = 4, 3
 

@@ -9,7 +9,7 @@ import keras
 
 from gradaccum import accumulate
 from tests.backends.test_noise_scale import ANALYTIC, _measured, _regression, _within
-from tests.support import mirrored
+from tests.helpers.distribute import mirrored
 
 
 def test_two_replicas_measure_the_analytic_noise_scale_of_linear_regression():
@@ -32,7 +32,7 @@ def test_n_from_the_noise_scale_is_refused_on_several_replicas():
     import pytest
 
     from gradaccum.schedules import from_noise_scale
-    from tests.support import make_data, make_mlp
+    from tests.helpers import make_data, make_mlp
 
     x, y = make_data(32)
     with mirrored().scope():

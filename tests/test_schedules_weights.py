@@ -1,28 +1,32 @@
-"""Changing n, weighted (ragged) micro-batches, and flushing a partial cycle.
+"""Changing n, weighted (ragged) micro-batches and flushing a partial
+cycle, in traced steps, checkpoints and under MirroredStrategy.
 
 References: the plain optimizer applied to the gradient of the large batch
 each update is meant to see (its micro-batches concatenated), from the same
-initial weights.
+initial weights. Eager loops on every backend: `tests/backends/test_loops.py`.
 """
 
 import warnings
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
 import gradaccum
 from gradaccum import accumulate
-from tests.support import (
+from tests.helpers import (
     MODES,
     assert_states_close,
     assert_states_equal,
+    concat,
     full_state,
+    gradients,
     make_data,
     make_mlp,
-    mirrored,
+    split,
+    train_steps,
 )
+from tests.helpers.distribute import mirrored
 
 B = 4
 
@@ -35,29 +39,14 @@ def _loss(model, x, y):
     return keras.losses.MeanSquaredError()(y, model(x))
 
 
-def _grads(model, x, y):
-    with tf.GradientTape() as tape:
-        loss = _loss(model, x, y)
-    return tape.gradient(loss, model.trainable_variables)
-
-
 def _reference(updates, make_opt=_adam):
     """Plain optimizer: one update per list of (x, y) micro-batches."""
-    model, opt = make_mlp(), make_opt()
-    for micro in updates:
-        x = np.concatenate([m[0] for m in micro])
-        y = np.concatenate([m[1] for m in micro])
-        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
-    return full_state(model, opt)
+    return train_steps(make_mlp(), make_opt(), [concat(micro) for micro in updates])
 
 
 def _micro_batches(sizes, seed=0):
     x, y = make_data(sum(sizes), seed=seed)
-    out, start = [], 0
-    for s in sizes:
-        out.append((x[start : start + s], y[start : start + s]))
-        start += s
-    return out
+    return split(x, y, sizes)
 
 
 def _traced_step(model, opt, weighted=False):
@@ -68,7 +57,7 @@ def _traced_step(model, opt, weighted=False):
     @tf.function
     def step(x, y, w):
         traces.append(1)
-        grads = _grads(model, x, y)
+        grads = gradients(model, x, y)
         if weighted:
             opt.apply_gradients(zip(grads, model.trainable_variables), weight=w)
         else:
@@ -81,13 +70,12 @@ def _traced_step(model, opt, weighted=False):
 # n that changes
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_schedule_for_n_equals_growing_large_batches_without_retracing(mode):
+def test_schedule_for_n_equals_growing_large_batches_without_retracing():
     micro = _micro_batches([B] * 12)
     # Updates 0 and 1 accumulate 2 micro-batches, the rest 4.
     expected = _reference([micro[0:2], micro[2:4], micro[4:8], micro[8:12]])
     model = make_mlp()
-    opt = accumulate(_adam(), n=lambda step: tf.where(step < 2, 2, 4), mode=mode)
+    opt = accumulate(_adam(), n=lambda step: tf.where(step < 2, 2, 4))
     step, traces = _traced_step(model, opt)
     for x, y in micro:
         step(x, y, 1.0)
@@ -96,12 +84,11 @@ def test_schedule_for_n_equals_growing_large_batches_without_retracing(mode):
     assert_states_close(expected, full_state(model, opt))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_setting_n_between_cycles_needs_no_retracing(mode):
+def test_setting_n_between_cycles_needs_no_retracing():
     micro = _micro_batches([B] * 7)
     expected = _reference([micro[0:3], micro[3:5], micro[5:7]])
     model = make_mlp()
-    opt = accumulate(_adam(), 3, mode=mode)
+    opt = accumulate(_adam(), 3)
     step, traces = _traced_step(model, opt)
     for k, (x, y) in enumerate(micro):
         if k == 3:
@@ -138,7 +125,7 @@ def test_a_function_traced_with_n_1_refuses_to_run_once_n_changed():
 def test_changing_n_warns_only_after_a_trace_with_n_1():
     model = make_mlp()
     eager = accumulate(_adam(), 1)
-    eager.apply_gradients(zip(_grads(model, *_micro_batches([B])[0]), model.trainable_variables))
+    eager.apply_gradients(zip(gradients(model, *_micro_batches([B])[0]), model.trainable_variables))
     traced = accumulate(_adam(), 2)
     step, _ = _traced_step(model, traced)
     step(*_micro_batches([B])[0], 1.0)
@@ -150,50 +137,33 @@ def test_changing_n_warns_only_after_a_trace_with_n_1():
 
 
 @pytest.mark.parametrize("new_n, expected_groups", [(2, [[0, 1], [2, 3]]), (1, [[0, 1, 2], [3]])])
-@pytest.mark.parametrize("mode", MODES)
-def test_setting_n_mid_cycle_ends_the_cycle_once_it_holds_new_n(new_n, expected_groups, mode):
+def test_setting_n_mid_cycle_ends_the_cycle_once_it_holds_new_n(new_n, expected_groups):
     """Documented: the cycle ends at the first micro-step holding >= new n."""
     micro = _micro_batches([B] * 4)
     expected = _reference([[micro[k] for k in g] for g in expected_groups])
     model = make_mlp()
-    opt = accumulate(_adam(), 3, mode=mode)
+    opt = accumulate(_adam(), 3)
     for k, (x, y) in enumerate(micro):
         if k == 2 and new_n == 1:
             opt.n = new_n  # two micro-batches already accumulated
         if k == 1 and new_n == 2:
             opt.n = new_n  # one micro-batch already accumulated
-        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+        opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables))
     assert_states_close(expected, full_state(model, opt))
-
-
-def test_bad_n_settings():
-    opt = accumulate(_adam(), 2)
-    for bad, error in [(0, ValueError), (2.5, TypeError), (True, TypeError)]:
-        with pytest.raises(error, match="`n`"):
-            opt.n = bad
-    scheduled = accumulate(_adam(), n=lambda step: 2)
-    with pytest.raises(ValueError, match="schedule"):
-        scheduled.n = 3
-    zero = accumulate(_adam(), n=lambda step: 0)
-    model = make_mlp()
-    x, y = make_data(B)
-    with pytest.raises(ValueError, match="returned 0"):
-        zero.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
 
 
 def _schedule(step):
     return tf.where(step < 2, 2, 3)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_schedule_checkpoint_mid_cycle_resumes_bit_identical(tmp_path, mode):
+def test_schedule_checkpoint_mid_cycle_resumes_bit_identical(tmp_path):
     """Saved after the schedule switched, in the middle of a cycle of 3."""
     micro = _micro_batches([B] * 8)
     # Cycles of 2, 2, then 3; the last micro-batch is left pending.
     expected = _reference([micro[0:2], micro[2:4], micro[4:7]])
 
     def run(stop=None, restore=None):
-        model, opt = make_mlp(), accumulate(_adam(), n=_schedule, mode=mode)
+        model, opt = make_mlp(), accumulate(_adam(), n=_schedule)
         step, _ = _traced_step(model, opt)
         ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
         start = 0
@@ -218,7 +188,7 @@ def test_schedule_checkpoint_mid_cycle_resumes_bit_identical(tmp_path, mode):
 def test_schedule_checkpoint_refuses_an_int_n(tmp_path):
     model, opt = make_mlp(), accumulate(_adam(), n=_schedule)
     x, y = make_data(B)
-    opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
+    opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables))
     path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
     model2, opt2 = make_mlp(), accumulate(_adam(), 2)
     opt2.build(model2.trainable_variables)
@@ -230,18 +200,20 @@ def test_schedule_checkpoint_refuses_an_int_n(tmp_path):
 # Weighted micro-batches
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("loop", ["eager", "tf_function"])
-@pytest.mark.parametrize("entry", ["apply_gradients", "apply"])
-def test_ragged_micro_batches_weighted_by_size_equal_the_large_batch(loop, entry, mode):
+@pytest.mark.parametrize(
+    "loop, entry",
+    # Eagerly through `apply`: tests/backends/test_loops.py.
+    [("eager", "apply_gradients"), ("tf_function", "apply_gradients"), ("tf_function", "apply")],
+)
+def test_ragged_micro_batches_weighted_by_size_equal_the_large_batch(loop, entry):
     sizes = [4, 4, 2, 3, 5, 1]  # two cycles of 3; ragged throughout
     micro = _micro_batches(sizes)
     expected = _reference([micro[0:3], micro[3:6]])
     model = make_mlp()
-    opt = accumulate(_adam(), 3, mode=mode)
+    opt = accumulate(_adam(), 3)
 
     def step(x, y, w):
-        grads = _grads(model, x, y)
+        grads = gradients(model, x, y)
         if entry == "apply":
             opt.apply(grads, model.trainable_variables, weight=w)
         else:
@@ -252,18 +224,6 @@ def test_ragged_micro_batches_weighted_by_size_equal_the_large_batch(loop, entry
     for x, y in micro:
         step(x, y, tf.constant(float(len(x))))
     assert_states_close(expected, full_state(model, opt))
-
-
-def test_unweighted_ragged_micro_batches_are_not_the_large_batch():
-    """The reason weights exist: equal weighting is off with ragged batches."""
-    micro = _micro_batches([4, 4, 1])
-    expected = _reference([micro])
-    model = make_mlp()
-    opt = accumulate(_adam(), 3)
-    for x, y in micro:
-        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
-    got = full_state(model, opt)
-    assert not np.allclose(got["model/out/kernel"], expected["model/out/kernel"], atol=1e-6)
 
 
 def test_weighted_sum_reduction():
@@ -279,7 +239,7 @@ def test_weighted_sum_reduction():
     model = make_mlp()
     opt = accumulate(keras.optimizers.SGD(1e-2), 3, reduction="sum")
     for w, (x, y) in zip(weights, micro):
-        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables), weight=w)
+        opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables), weight=w)
     assert_states_close(expected, full_state(model, opt))
 
 
@@ -297,13 +257,12 @@ def test_weights_through_a_loss_scale_optimizer():
     assert_states_close(expected, full_state(model, opt.inner_optimizer))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_weighted_checkpoint_mid_cycle_resumes_bit_identical(tmp_path, mode):
+def test_weighted_checkpoint_mid_cycle_resumes_bit_identical(tmp_path):
     sizes = [4, 2, 3, 1, 4, 2]
     micro = _micro_batches(sizes)
 
     def run(stop=None, restore=None):
-        model, opt = make_mlp(), accumulate(_adam(), 3, mode=mode)
+        model, opt = make_mlp(), accumulate(_adam(), 3)
         opt.build(model.trainable_variables)
         ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
         start = 0
@@ -312,7 +271,7 @@ def test_weighted_checkpoint_mid_cycle_resumes_bit_identical(tmp_path, mode):
             start = 4
         for k in range(start, len(micro) if stop is None else stop):
             x, y = micro[k]
-            opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables), weight=len(x))
+            opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables), weight=len(x))
         return model, opt, ckpt
 
     model, opt, _ = run()
@@ -323,29 +282,15 @@ def test_weighted_checkpoint_mid_cycle_resumes_bit_identical(tmp_path, mode):
     assert_states_equal(expected, full_state(model2, opt2))
 
 
-@pytest.mark.parametrize(
-    "bad, error",
-    [(-1.0, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
-     (True, TypeError), ("4", TypeError), (tf.constant([1.0, 2.0]), ValueError)],
-)
-def test_bad_weight(bad, error):
-    model = make_mlp()
-    opt = accumulate(_adam(), 2)
-    x, y = make_data(B)
-    with pytest.raises(error, match="`weight`"):
-        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables), weight=bad)
-
-
 # ----------------------------------------------------------------------
 # Flushing a partial cycle, will_apply
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_flush_applies_the_mean_of_what_was_accumulated(mode):
+def test_flush_applies_the_mean_of_what_was_accumulated():
     micro = _micro_batches([B] * 5)
     expected = _reference([micro[0:3], micro[3:5]])
     model = make_mlp()
-    opt = accumulate(_adam(), 3, mode=mode)
+    opt = accumulate(_adam(), 3)
     step, _ = _traced_step(model, opt)
     for x, y in micro:
         step(x, y, 1.0)
@@ -388,17 +333,6 @@ def test_flush_callback_rejects_bad_input():
     with pytest.raises(ValueError, match="accumulating optimizer"):
         model.fit(x, y, batch_size=B, verbose=0,
                   callbacks=[gradaccum.callbacks.FlushPartialCycle()])
-
-
-def test_will_apply_marks_the_apply_steps():
-    model = make_mlp()
-    opt = accumulate(_adam(), 3)
-    x, y = make_data(B)
-    seen = []
-    for _ in range(6):
-        seen.append(bool(opt.will_apply))
-        opt.apply_gradients(zip(_grads(model, x, y), model.trainable_variables))
-    assert seen == [False, False, True, False, False, True]
 
 
 # ----------------------------------------------------------------------

@@ -1,4 +1,12 @@
-"""Per-update features, execution modes and edge cases equal large batch."""
+"""TensorFlow's execution modes, traced loops and edge cases equal large batch.
+
+What every backend shares (the optimizers, per-update features, `fit` in
+graph mode, eager loops) is in `tests/backends`; here: `run_eagerly`, XLA,
+`steps_per_execution`, `tf.function` loops, traces that meet new variables,
+and the proxy's face to other code. The mode ("masked" or "skip") is a
+parameter where XLA compiles the update; elsewhere both modes give the same
+bits (`property_tests/test_modes.py`).
+"""
 
 import keras
 import numpy as np
@@ -6,191 +14,44 @@ import pytest
 import tensorflow as tf
 
 from gradaccum import accumulate
-from tests.support import (
+from tests.helpers import (
     MODES,
     assert_states_close,
     assert_states_equal,
     fit,
     fit_pair,
     full_state,
+    gradients,
     make_data,
     make_embedding_model,
     make_mlp,
+    split,
+    train_steps,
 )
 
 N, B, CYCLES = 3, 4, 3
 
 
 # ----------------------------------------------------------------------
-# The read-only view of the accumulation state.
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_accumulation_state_shows_the_sums_of_the_current_cycle(mode):
-    """`accumulation_state` holds, mid-cycle, the sum of the micro-gradients
-    (computed here independently) and the micro-step count; after the
-    apply step, zeros."""
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.SGD(0.1), N, mode=mode)
-    assert opt.accumulation_state is None
-    opt.build(model.trainable_variables)
-    x, y = make_data(B * N)
-    loss_fn = keras.losses.MeanSquaredError()
-    expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
-    for k in range(N):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y[k * B : (k + 1) * B], model(x[k * B : (k + 1) * B]))
-        grads = tape.gradient(loss, model.trainable_variables)
-        weight = float(k + 1)
-        if k < N - 1:
-            expected = [e + weight * g.numpy() for e, g in zip(expected, grads)]
-        opt.apply_gradients(zip(grads, model.trainable_variables), weight=weight)
-        state = opt.accumulation_state
-        if k < N - 1:
-            assert int(state.micro_step) == k + 1
-            assert float(state.weight_total) == sum(range(1, k + 2))
-            for acc, e in zip(state.accumulators, expected):
-                np.testing.assert_allclose(acc.numpy(), e, rtol=1e-6, atol=1e-7)
-    assert [id(v) for v in state.variables] == [id(v) for v in model.trainable_variables]
-    assert int(state.micro_step) == 0 and float(state.weight_total) == 0.0
-    assert all(not np.any(a.numpy()) for a in state.accumulators)
-
-
-# ----------------------------------------------------------------------
-# Things the optimizer does once per update happen once per cycle.
-
-PER_UPDATE = {
-    "lr_schedule": lambda: keras.optimizers.Adam(
-        keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=1, decay_rate=0.5)
-    ),
-    "clipnorm": lambda: keras.optimizers.SGD(0.1, clipnorm=0.05),
-    "clipvalue": lambda: keras.optimizers.Adam(1e-2, clipvalue=0.01),
-    "global_clipnorm": lambda: keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05),
-    "weight_decay_sgd": lambda: keras.optimizers.SGD(0.1, weight_decay=0.1),
-    "weight_decay_adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.5),
-    "ema": lambda: keras.optimizers.Adam(1e-2, use_ema=True, ema_momentum=0.5),
-    "ema_overwrite": lambda: keras.optimizers.SGD(
-        0.1, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2
-    ),
-}
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", sorted(PER_UPDATE))
-def test_per_update_features_act_once_per_cycle(name, mode):
-    ref, acc, _, _ = fit_pair(PER_UPDATE[name], n=N, micro_batch=B, cycles=CYCLES, mode=mode)
-    assert acc["iterations"] == CYCLES
-    assert_states_close(ref, acc)
-
-
-def test_learning_rate_schedule_sees_applied_updates():
-    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([1, 2], [1e-2, 1e-3, 1e-4])
-    _, _, _, opt = fit_pair(lambda: keras.optimizers.SGD(schedule), n=N, cycles=CYCLES)
-    assert int(opt.iterations) == CYCLES
-    np.testing.assert_allclose(float(opt.learning_rate), 1e-4)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_variable_constraints_apply_once_per_cycle(mode):
-    def model():
-        return make_mlp(kernel_constraint=keras.constraints.MaxNorm(0.3))
-
-    ref, acc, _, _ = fit_pair(
-        lambda: keras.optimizers.SGD(0.5), n=N, make_model=model, mode=mode
-    )
-    assert_states_close(ref, acc)
-
-
-def _sparse_data(unique_per_cycle: bool, vocab: int = 40):
-    rng = np.random.default_rng(1)
-    if unique_per_cycle:
-        ids = [rng.permutation(vocab)[: B * N * 3] for _ in range(CYCLES)]
-        x = np.concatenate(ids).reshape(-1, 3).astype("int32")
-    else:
-        x = rng.integers(0, 8, size=(B * N * CYCLES, 3)).astype("int32")
-    y = rng.normal(size=(len(x), 2)).astype("float32")
-    return x, y
-
-
-def _embedding_model():
-    return make_embedding_model(vocab=40)
-
-
-def test_embedding_gradients_are_sparse():
-    x, y = _sparse_data(False)
-    model = _embedding_model()
-    grads = _grads(model, x[:B], y[:B])
-    assert isinstance(grads[0], tf.IndexedSlices)  # the case under test
-
-
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda: keras.optimizers.Adam(1e-2),
-        lambda: keras.optimizers.Adagrad(0.1),
-        lambda: keras.optimizers.RMSprop(1e-2),
-    ],
-    ids=["adam", "adagrad", "rmsprop"],
-)
-@pytest.mark.parametrize("mode", MODES)
-def test_sparse_gradients_rows_unique_within_a_cycle(make, mode):
-    """Non-linear optimizers: each embedding row occurs once per cycle.
-
-    Keras 3 squares the values of an `IndexedSlices` gradient before summing
-    repeated rows, so for Adam-like optimizers the large-batch result depends
-    on how often a row repeats; the accumulated gradient holds the summed
-    rows. With rows unique within a cycle the two agree exactly.
-    """
-    ref, acc, _, _ = fit_pair(
-        make, n=N, make_model=_embedding_model, data=_sparse_data(True), mode=mode
-    )
-    assert_states_close(ref, acc)
-
-
-@pytest.mark.parametrize(
-    "make",
-    [lambda: keras.optimizers.SGD(0.5), lambda: keras.optimizers.SGD(0.5, momentum=0.9)],
-    ids=["sgd", "sgd_momentum"],
-)
-@pytest.mark.parametrize("mode", MODES)
-def test_sparse_gradients_with_repeated_rows(make, mode):
-    """Optimizers linear in the gradient: repeated rows make no difference."""
-    ref, acc, _, _ = fit_pair(
-        make, n=N, make_model=_embedding_model, data=_sparse_data(False), mode=mode
-    )
-    assert_states_close(ref, acc)
-
-
-# ----------------------------------------------------------------------
-# Execution modes.
+# Execution modes (graph mode: tests/backends/test_fit.py).
 
 COMPILE_MODES = {
-    "graph": {},
     "run_eagerly": {"run_eagerly": True},
     "jit_compile": {"jit_compile": True},
     "steps_per_execution": {"steps_per_execution": 2},
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("execution", sorted(COMPILE_MODES))
+@pytest.mark.parametrize(
+    "execution, mode",
+    [("run_eagerly", "masked"), ("steps_per_execution", "masked"),
+     ("jit_compile", "masked"), ("jit_compile", "skip")],
+)
 def test_fit_execution_modes(execution, mode):
     ref, acc, _, _ = fit_pair(
         lambda: keras.optimizers.Adam(1e-2), n=N, mode=mode, **COMPILE_MODES[execution]
     )
     assert_states_close(ref, acc)
-
-
-def _reference_loop(make_opt, x, y, batch):
-    model = make_mlp()
-    opt = make_opt()
-    loss_fn = keras.losses.MeanSquaredError()
-    for start in range(0, len(x), batch):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y[start : start + batch], model(x[start : start + batch]))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-    return full_state(model, opt)
 
 
 LOOPS = {
@@ -200,22 +61,24 @@ LOOPS = {
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("loop", sorted(LOOPS))
-@pytest.mark.parametrize("entry", ["apply_gradients", "apply"])
+@pytest.mark.parametrize(
+    "loop, entry, mode",
+    # Eagerly through `apply`: tests/backends/test_loops.py.
+    [("eager", "apply_gradients", "masked")]
+    + [("tf_function", entry, "masked") for entry in ("apply", "apply_gradients")]
+    + [("tf_function_jit", entry, mode) for entry in ("apply", "apply_gradients")
+       for mode in ("masked", "skip")],
+)
 def test_custom_training_loops(loop, entry, mode):
     make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
     x, y = make_data(B * N * CYCLES)
-    ref = _reference_loop(make_opt, x, y, B * N)
+    ref = train_steps(make_mlp(), make_opt(), split(x, y, B * N))
 
     model = make_mlp()
     opt = accumulate(make_opt(), N, mode=mode)
-    loss_fn = keras.losses.MeanSquaredError()
 
     def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb))
-        grads = tape.gradient(loss, model.trainable_variables)
+        grads = gradients(model, xb, yb)
         if entry == "apply":
             opt.apply(grads, model.trainable_variables)
         else:
@@ -240,12 +103,11 @@ IN_BETWEEN = {
 }
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(IN_BETWEEN))
-def test_in_between_micro_steps_leave_all_state_bit_identical(name, mode):
+def test_in_between_micro_steps_leave_all_state_bit_identical(name):
     x, y = make_data(B * N * CYCLES)
     model = make_mlp()
-    opt = accumulate(IN_BETWEEN[name](), N, mode=mode)
+    opt = accumulate(IN_BETWEEN[name](), N)
     opt.build(model.trainable_variables)
     loss_fn = keras.losses.MeanSquaredError()
 
@@ -271,9 +133,8 @@ def test_in_between_micro_steps_leave_all_state_bit_identical(name, mode):
             assert_states_equal(before, after)
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("loss_kind", ["dense", "sparse"])
-def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(loss_kind, mode):
+def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(loss_kind):
     make_opt = lambda: keras.optimizers.Adam(1e-2, clipnorm=1.0)  # noqa: E731
     if loss_kind == "dense":
         x, y = make_data(B * CYCLES)
@@ -285,26 +146,13 @@ def test_n_equal_one_is_the_plain_optimizer_bit_for_bit(loss_kind, mode):
         x = np.stack([rng.permutation(40)[:12].reshape(4, 3) for _ in range(CYCLES)])
         x = x.reshape(-1, 3).astype("int32")
         y = rng.normal(size=(len(x), 2)).astype("float32")
-        make_model = _embedding_model
+        make_model = lambda: make_embedding_model(vocab=40)  # noqa: E731
     ref_model, ref_opt = make_model(), make_opt()
     fit(ref_model, ref_opt, x, y, B)
-    model, opt = make_model(), accumulate(make_opt(), 1, mode=mode)
+    model, opt = make_model(), accumulate(make_opt(), 1)
     fit(model, opt, x, y, B)
     ref, acc = full_state(ref_model, ref_opt), full_state(model, opt)
     assert_states_equal(ref, acc)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_sum_reduction_matches_sum_reduced_large_batch(mode):
-    loss = keras.losses.MeanSquaredError(reduction="sum")
-    ref, acc, _, opt = fit_pair(
-        lambda: keras.optimizers.SGD(1e-3, momentum=0.5),
-        n=N,
-        loss=loss,
-        wrap=lambda o, n: accumulate(o, n, reduction="sum", mode=mode),
-    )
-    assert opt.reduction == "sum"
-    assert_states_close(ref, acc)
 
 
 # ----------------------------------------------------------------------
@@ -327,8 +175,7 @@ MISSING = {
 
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
 @pytest.mark.parametrize("missing_at", sorted(MISSING))
-@pytest.mark.parametrize("mode", MODES)
-def test_none_gradients_count_as_zeros_and_are_still_applied(mode, missing_at, traced):
+def test_none_gradients_count_as_zeros_and_are_still_applied(missing_at, traced):
     """Some micro-steps give `out/bias` no gradient; the mean still applies.
 
     Reference: the plain optimizer applied to the mean of the micro-batch
@@ -341,11 +188,11 @@ def test_none_gradients_count_as_zeros_and_are_still_applied(mode, missing_at, t
     make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
 
     def micro_grads(model, k, start):
-        grads = [g.numpy() for g in _grads(model, x[start : start + B], y[start : start + B])]
+        grads = [g.numpy() for g in gradients(model, x[start : start + B], y[start : start + B])]
         return grads, MISSING[missing_at](k)
 
     ref_model, ref_opt = make_mlp(), make_opt()
-    model, opt = make_mlp(), accumulate(make_opt(), N, mode=mode)
+    model, opt = make_mlp(), accumulate(make_opt(), N)
     opt.build(model.trainable_variables)
 
     def apply(grads):
@@ -379,7 +226,7 @@ def test_none_gradients_count_as_zeros_and_are_still_applied(mode, missing_at, t
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["masked", "skip"])
 def test_a_cycle_begun_by_a_step_traced_before_a_variable_took_part(mode, jit):
     """One `tf.function` per gradient pattern (as one per task in
     multi-task training), each traced when its pattern first comes: the one
@@ -471,66 +318,8 @@ def test_weighted_cycles_of_changing_totals(mode, jit):
         np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=1e-6, atol=1e-7)
 
 
-def _grads(model, x, y):
-    with tf.GradientTape() as tape:
-        loss = keras.losses.MeanSquaredError()(y, model(x))
-    return tape.gradient(loss, model.trainable_variables)
-
-
 # ----------------------------------------------------------------------
-# Building and wrapping.
-
-
-@pytest.mark.parametrize("when", ["before_wrap", "after_wrap", "by_fit"])
-def test_build_before_or_after_wrapping(when):
-    make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
-    x, y = make_data(B * N * CYCLES)
-    ref_model, ref_opt = make_mlp(), make_opt()
-    fit(ref_model, ref_opt, x, y, B * N)
-
-    model, inner = make_mlp(), make_opt()
-    if when == "before_wrap":
-        inner.build(model.trainable_variables)
-    opt = accumulate(inner, N)
-    assert opt.built == (when == "before_wrap")
-    if when == "after_wrap":
-        opt.build(model.trainable_variables)
-        assert opt.built
-    fit(model, opt, x, y, B)
-    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
-
-
-def test_wrapping_a_trained_optimizer_keeps_its_state():
-    """Train plainly for 2 large batches, then continue accumulated."""
-    x, y = make_data(B * N * 4)
-    make_opt = lambda: keras.optimizers.Adam(1e-2)  # noqa: E731
-    ref_model, ref_opt = make_mlp(), make_opt()
-    fit(ref_model, ref_opt, x, y, B * N)
-
-    model, inner = make_mlp(), make_opt()
-    fit(model, inner, x[: 2 * B * N], y[: 2 * B * N], B * N)
-    opt = accumulate(inner, N)
-    assert int(opt.iterations) == 2
-    fit(model, opt, x[2 * B * N :], y[2 * B * N :], B)
-    assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
-
-
-def test_decorator_for_a_class_and_a_factory():
-    AccAdam = accumulate(n=N)(keras.optimizers.Adam)
-    opt = AccAdam(1e-2)
-    assert opt.n == N and isinstance(opt, keras.optimizers.Adam)
-
-    @accumulate(n=2, reduction="sum")
-    def make():
-        return keras.optimizers.SGD(0.1)
-
-    opt2 = make()
-    assert (opt2.n, opt2.reduction) == (2, "sum")
-    assert make() is not opt2
-    ref, acc, _, _ = fit_pair(
-        lambda: keras.optimizers.Adam(1e-2), n=N, wrap=lambda o, n: accumulate(n=n)(lambda: o)()
-    )
-    assert_states_close(ref, acc)
+# The proxy to other code, and traces that cannot apply.
 
 
 def test_proxy_is_the_wrapped_optimizer_to_other_code():
@@ -546,81 +335,6 @@ def test_proxy_is_the_wrapped_optimizer_to_other_code():
     assert opt.iterations is inner.iterations
     assert int(opt.micro_step) == 0
     assert "n=4" in repr(opt) and "Adam" in repr(opt)
-
-
-# ----------------------------------------------------------------------
-# Bad input.
-
-
-@pytest.mark.parametrize("bad_n", [0, -1, 2.0, "4", True, False, None])
-def test_bad_n(bad_n):
-    error = ValueError if isinstance(bad_n, int) and not isinstance(bad_n, bool) else TypeError
-    with pytest.raises(error, match="`n`|requires `n`"):
-        accumulate(keras.optimizers.SGD(), bad_n)
-
-
-def test_n_accepts_numpy_integers():
-    assert accumulate(keras.optimizers.SGD(), np.int64(3)).n == 3
-
-
-@pytest.mark.parametrize("bad", [object(), "adam", keras.optimizers.Adam, 4])
-def test_not_an_optimizer(bad):
-    with pytest.raises(TypeError, match="`optimizer` must be an optimizer instance"):
-        accumulate(bad, 2)
-
-
-def test_rejects_double_accumulation():
-    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
-        accumulate(keras.optimizers.Adam(gradient_accumulation_steps=2), 2)
-    with pytest.raises(ValueError, match="already an AccumulatingOptimizer"):
-        accumulate(accumulate(keras.optimizers.Adam(), 2), 2)
-
-
-def test_backends_that_cannot_train_are_refused_by_name(monkeypatch):
-    """On a backend gradaccum does not run on, wrapping fails at once and
-    names it, instead of failing later inside `build` or `fit`. (JAX and
-    PyTorch run in their own environments: tests/backends.)"""
-    monkeypatch.setattr(keras.config, "backend", lambda: "numpy")
-    with pytest.raises(ValueError, match="'numpy', which cannot train.*KERAS_BACKEND"):
-        accumulate(keras.optimizers.Adam(), 2)
-    with pytest.raises(ValueError, match="'numpy'"):
-        accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), 2)
-
-
-def test_unknown_reduction():
-    with pytest.raises(ValueError, match="`reduction`"):
-        accumulate(keras.optimizers.Adam(), 2, reduction="avg")
-    with pytest.raises(ValueError, match="`reduction`"):
-        accumulate(n=2, reduction=None)
-
-
-def test_decorator_rejects_non_callables():
-    with pytest.raises(TypeError, match="decorates an optimizer class or factory"):
-        accumulate(n=2)(3)
-
-
-def test_gradient_for_unknown_variable():
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(), 2)
-    opt.build(model.trainable_variables)
-    stranger = keras.Variable(np.zeros((2,), "float32"), name="stranger")
-    with pytest.raises(ValueError, match="stranger.*not built for"):
-        opt.apply_gradients([(tf.zeros((2,)), stranger)])
-
-
-def test_all_gradients_none():
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(), 2)
-    with pytest.raises(ValueError, match="No gradients"):
-        opt.apply_gradients([(None, v) for v in model.trainable_variables])
-
-
-def test_gradient_count_mismatch():
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(), 2)
-    opt.build(model.trainable_variables)
-    with pytest.raises(ValueError, match="Received 1 gradients"):
-        opt.apply([tf.zeros((3,))])
 
 
 def test_traced_step_that_left_out_a_variable_refuses_to_drop_its_gradients():

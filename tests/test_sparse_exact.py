@@ -24,7 +24,8 @@ import tensorflow as tf
 from keras import ops
 
 from gradaccum import accumulate
-from tests.support import MODES, assert_states_close, assert_states_equal, fit, full_state, mirrored
+from tests.helpers import MODES, assert_states_close, assert_states_equal, fit, full_state
+from tests.helpers.distribute import mirrored
 
 N, B, CYCLES = 4, 4, 3
 LENGTH, VOCAB, DIM = 5, 12, 3

@@ -17,9 +17,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gradaccum import accumulate
-from property_tests.harness import assert_finite, assert_states_close, rounding_floor, scaled
+from property_tests.harness import scaled
 from property_tests.strategies import tf_keras_optimizers
-from tests.tf_keras.support import fit, full_state, make_data, make_mlp, mse_grads
+from tests.helpers import (
+    assert_finite,
+    assert_states_close,
+    fit,
+    full_state,
+    gradients,
+    make_data,
+    make_mlp,
+    rounding_floor,
+)
 
 
 def _summed(spec, x, y, n: int, micro_batch: int) -> dict:
@@ -30,7 +39,7 @@ def _summed(spec, x, y, n: int, micro_batch: int) -> dict:
     for start in range(0, len(x), batch):
         total = None
         for k in range(start, start + batch, micro_batch):
-            grads = mse_grads(model, x[k : k + micro_batch], y[k : k + micro_batch])
+            grads = gradients(model, x[k : k + micro_batch], y[k : k + micro_batch])
             total = grads if total is None else [t + g for t, g in zip(total, grads)]
         opt.apply_gradients(zip([t / n for t in total], model.trainable_variables))
     return full_state(model, opt)

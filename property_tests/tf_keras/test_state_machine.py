@@ -22,7 +22,7 @@ from gradaccum import accumulate
 from property_tests.harness import scaled
 from property_tests.machine import MachineBase, start_rule
 from property_tests.strategies import tf_keras_optimizers
-from tests.tf_keras.support import optimizer_state, optimizer_variables
+from tests.helpers import optimizer_state, optimizer_variables
 
 
 class TfKerasAccumulationMachine(MachineBase):

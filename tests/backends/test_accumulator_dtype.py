@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate
-from tests.backends.helpers import JIT, assert_same, values
-from tests.support import assert_states_close, fit_pair, make_data, make_mlp
+from tests.helpers import JIT, assert_same, assert_states_close, fit_pair, make_data, make_mlp, values
 
 
 def test_accumulators_and_compensations_are_bfloat16():

@@ -11,7 +11,7 @@ import pytest
 from gradaccum import accumulate
 from gradaccum.schedules import from_noise_scale
 from tests.backends.test_noise_scale import D, _regression
-from tests.support import assert_states_close, full_state
+from tests.helpers import assert_states_close, full_state
 
 B = 4
 

@@ -6,7 +6,7 @@ import keras
 import pytest
 
 from gradaccum import accumulate
-from tests.support import make_mlp
+from tests.helpers import make_mlp
 
 
 def test_a_gradient_of_the_wrong_shape_names_its_variable():

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate
-from tests.backends.helpers import BACKEND, gradients
-from tests.support import MODES, assert_states_close, fit, full_state, make_data, make_mlp
+from tests.helpers import BACKEND, MODES, assert_states_close, fit, full_state, gradients, make_data, make_mlp
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution's data parallelism runs on JAX")
 
@@ -98,15 +97,17 @@ def _optimized_train_step(model, x, y) -> str:
     return jax.jit(model.train_step).lower(state, _distribute_data((x, y))).compile().as_text()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_in_between_micro_steps_exchange_no_gradient(mode):
+# Both modes: the claim is that neither exchanges gradients in between
+# (the shared `mode` fixture varies it on TensorFlow only).
+@pytest.mark.parametrize("update_mode", MODES)
+def test_in_between_micro_steps_exchange_no_gradient(update_mode):
     x, y = make_data(B * N)
     parameters = sum(int(np.prod(v.shape)) for v in make_mlp().trainable_variables)
     with _distribution().scope():
         plain = make_mlp()
         fit(plain, keras.optimizers.Adam(1e-2), x, y, B)
         model = make_mlp()
-        fit(model, accumulate(keras.optimizers.Adam(1e-2), N, mode=mode), x, y, B)
+        fit(model, accumulate(keras.optimizers.Adam(1e-2), N, mode=update_mode), x, y, B)
         plain_outside, _ = _all_reduces(_optimized_train_step(plain, x[:B], y[:B]))
         outside, inside = _all_reduces(_optimized_train_step(model, x[:B], y[:B]))
     # Plain data parallelism all-reduces the gradients on every step (this
@@ -189,7 +190,7 @@ def test_loss_scale_optimizer_ema_and_clipping_as_one_device(outside):
 
 
 def test_adaptive_gradient_clipping_clips_the_large_batch_gradient():
-    from tests.agc_reference import np_agc
+    from tests.helpers.agc import np_agc
 
     factor, eps = 0.01, 1e-3
     x, y = make_data(B * N * 3)

@@ -24,8 +24,7 @@ import pytest
 import gradaccum
 from gradaccum import accumulate
 from gradaccum.callbacks import FlushPartialCycle
-from tests.backends.helpers import BACKEND, gradients
-from tests.support import assert_states_close, fit, fit_pair, full_state, make_data, make_mlp
+from tests.helpers import BACKEND, assert_states_close, fit, fit_pair, full_state, gradients, make_data, make_mlp
 
 pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="PyTorch runs eagerly: JAX traces, TensorFlow has graphs")
 

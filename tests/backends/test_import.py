@@ -3,54 +3,54 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import keras
 import pytest
 
 from gradaccum import accumulate
-from tests.backends.helpers import BACKEND
+from tests.helpers import BACKEND
+from tests.helpers.processes import run_python
 
 
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="Keras imports TensorFlow on its backend")
 def test_import_needs_no_tensorflow():
-    code = (
-        "import sys, keras, gradaccum, gradaccum.layers, gradaccum.callbacks\n"
-        "gradaccum.accumulate(keras.optimizers.Adam(), 2)\n"
-        "print('tensorflow' in sys.modules)\n"
+    out = run_python(
+        """
+        import sys, keras, gradaccum, gradaccum.layers, gradaccum.callbacks
+        gradaccum.accumulate(keras.optimizers.Adam(), 2)
+        print('tensorflow' in sys.modules)
+        """,
+        env={"KERAS_BACKEND": BACKEND},
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
-        env={**os.environ, "KERAS_BACKEND": BACKEND},
-    )
-    assert out.stdout.strip() == "False", out.stderr
+    assert out.strip() == "False"
 
 
 @pytest.mark.parametrize("name", ["numpy", "openvino"])
 def test_a_backend_that_cannot_train_is_named(monkeypatch, name):
+    """Wrapping fails at once and names the backend, instead of failing
+    later inside `build` or `fit`."""
     monkeypatch.setattr(keras.config, "backend", lambda: name)
-    with pytest.raises(ValueError, match=f"active Keras backend is '{name}'"):
+    with pytest.raises(ValueError, match=f"active Keras backend is '{name}', which cannot train.*KERAS_BACKEND"):
         accumulate(keras.optimizers.SGD(0.1), 2)
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), 2)
 
 
 @pytest.mark.skipif(
     importlib.util.find_spec("jax") is None, reason="Keras's numpy backend imports JAX (keras3-jax runs this)"
 )
 def test_numpy_backend_refuses_in_a_fresh_process():
-    code = (
-        "import keras, gradaccum\n"
-        "try:\n"
-        "    gradaccum.accumulate(keras.optimizers.SGD(0.1), 2)\n"
-        "except ValueError as e:\n"
-        "    print(e)\n"
+    out = run_python(
+        """
+        import keras, gradaccum
+        try:
+            gradaccum.accumulate(keras.optimizers.SGD(0.1), 2)
+        except ValueError as e:
+            print(e)
+        """,
+        env={"KERAS_BACKEND": "numpy"},
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
-        env={**os.environ, "KERAS_BACKEND": "numpy"},
-    )
-    assert "'numpy'" in out.stdout and "cannot train" in out.stdout, out.stdout + out.stderr
+    assert "'numpy'" in out and "cannot train" in out, out
 
 
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="the layer runs on TensorFlow (tests/test_batch_norm.py)")

@@ -10,8 +10,20 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate
-from tests.backends.helpers import BACKEND, assert_same, gradients, values
-from tests.support import MODES, assert_states_close, full_state, make_data, make_mlp
+from tests.helpers import (
+    BACKEND,
+    as_int,
+    assert_same,
+    assert_states_close,
+    full_state,
+    gradients,
+    make_data,
+    make_mlp,
+    split,
+    train_steps,
+    values,
+)
+from tests.helpers.agc import train_clipped
 
 
 def _sum_loss() -> keras.losses.Loss:
@@ -19,68 +31,50 @@ def _sum_loss() -> keras.losses.Loss:
 
 
 def _train(opt_factory, batches, wrap=None, weights=None, loss=None):
-    """Runs `opt.apply` once per batch; returns the model's and optimizer's
-    state, the model and the optimizer."""
+    """Builds the optimizer, then applies it once per batch; returns the
+    model's and optimizer's state, the model and the optimizer."""
     model = make_mlp()
     opt = opt_factory() if wrap is None else wrap(opt_factory())
     opt.build(model.trainable_variables)
-    for i, (x, y) in enumerate(batches):
-        grads = gradients(model, x, y, loss=loss)
-        if weights is None:
-            opt.apply(grads, model.trainable_variables)
-        else:
-            opt.apply(grads, model.trainable_variables, weight=weights[i])
-    return full_state(model, opt), model, opt
+    return train_steps(model, opt, batches, loss=loss, weights=weights), model, opt
 
 
-def _split(x, y, sizes):
-    out, start = [], 0
-    for size in sizes:
-        out.append((x[start:start + size], y[start:start + size]))
-        start += size
-    return out
-
-
-@pytest.mark.parametrize("mode", MODES)
 def test_apply_loop_matches_large_batch(mode):
     x, y = make_data(48)
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), split(x, y, [16] * 3))
     acc, _, opt = _train(
-        lambda: keras.optimizers.Adam(1e-2), _split(x, y, [4] * 12), lambda o: accumulate(o, 4, mode=mode)
+        lambda: keras.optimizers.Adam(1e-2), split(x, y, [4] * 12), lambda o: accumulate(o, 4, mode=mode)
     )
     assert_states_close(ref, acc)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_weighted_micro_batches_of_different_sizes(mode):
+def test_weighted_micro_batches_of_different_sizes():
     """Micro-batches of 2, 6, 4 and 4 samples, each weighed by its size: the
     mean over the cycle's 16 samples, the large batch's."""
     x, y = make_data(32)
     sizes = [2, 6, 4, 4] * 2
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16, 16]))
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), split(x, y, [16, 16]))
     acc, _, _ = _train(
-        lambda: keras.optimizers.Adam(1e-2), _split(x, y, sizes), lambda o: accumulate(o, 4, mode=mode),
+        lambda: keras.optimizers.Adam(1e-2), split(x, y, sizes), lambda o: accumulate(o, 4),
         weights=[float(s) for s in sizes],
     )
     assert_states_close(ref, acc)
     unweighted, _, _ = _train(
-        lambda: keras.optimizers.Adam(1e-2), _split(x, y, sizes), lambda o: accumulate(o, 4, mode=mode)
+        lambda: keras.optimizers.Adam(1e-2), split(x, y, sizes), lambda o: accumulate(o, 4)
     )
     assert max(float(np.max(np.abs(ref[k] - unweighted[k]))) for k in ref) > 1e-4
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_reduction_sum_matches_summed_large_batch_loss(mode):
+def test_reduction_sum_matches_summed_large_batch_loss():
     x, y = make_data(32)
-    ref, _, _ = _train(lambda: keras.optimizers.SGD(1e-3), _split(x, y, [16, 16]), loss=_sum_loss())
+    ref, _, _ = _train(lambda: keras.optimizers.SGD(1e-3), split(x, y, [16, 16]), loss=_sum_loss())
     acc, _, _ = _train(
-        lambda: keras.optimizers.SGD(1e-3), _split(x, y, [4] * 8),
-        lambda o: accumulate(o, 4, reduction="sum", mode=mode), loss=_sum_loss(),
+        lambda: keras.optimizers.SGD(1e-3), split(x, y, [4] * 8),
+        lambda o: accumulate(o, 4, reduction="sum"), loss=_sum_loss(),
     )
     assert_states_close(ref, acc)
 
 
-@pytest.mark.parametrize("mode", MODES)
 def test_micro_step_will_apply_and_in_between_steps_change_nothing(mode):
     x, y = make_data(16)
     model = make_mlp()
@@ -88,48 +82,84 @@ def test_micro_step_will_apply_and_in_between_steps_change_nothing(mode):
     opt.build(model.trainable_variables)
     before = values(model.trainable_variables) + values(opt.__wrapped__.variables)
     for k in range(3):
-        assert int(keras.ops.convert_to_numpy(opt.micro_step)) == k
+        assert as_int(opt.micro_step) == k
         assert not bool(keras.ops.convert_to_numpy(opt.will_apply))
         opt.apply(gradients(model, x[4 * k:4 * k + 4], y[4 * k:4 * k + 4]))
         assert_same(before, values(model.trainable_variables) + values(opt.__wrapped__.variables))
     assert bool(keras.ops.convert_to_numpy(opt.will_apply))
     opt.apply(gradients(model, x[12:], y[12:]))
-    assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 0
-    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 1
+    assert as_int(opt.micro_step) == 0
+    assert as_int(opt.iterations) == 1
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_flush_applies_the_mean_of_what_was_accumulated(mode):
-    x, y = make_data(24)
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16, 8]))
+def test_accumulation_state_shows_the_sums_of_the_current_cycle():
+    """`accumulation_state` holds, mid-cycle, the sum of the micro-gradients
+    (computed here independently) and the micro-step count; after the
+    apply step, zeros."""
+    n, b = 3, 4
     model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(1e-2), 4, mode=mode)
+    opt = accumulate(keras.optimizers.SGD(0.1), n)
+    assert opt.accumulation_state is None
     opt.build(model.trainable_variables)
-    for xb, yb in _split(x, y, [4] * 6):
+    x, y = make_data(b * n)
+    expected = [np.zeros(v.shape, "float32") for v in model.trainable_variables]
+    for k in range(n):
+        grads = gradients(model, x[k * b : (k + 1) * b], y[k * b : (k + 1) * b])
+        weight = float(k + 1)
+        if k < n - 1:
+            expected = [e + weight * g for e, g in zip(expected, values(grads))]
+        opt.apply_gradients(zip(grads, model.trainable_variables), weight=weight)
+        state = opt.accumulation_state
+        if k < n - 1:
+            assert as_int(state.micro_step) == k + 1
+            assert float(keras.ops.convert_to_numpy(state.weight_total)) == sum(range(1, k + 2))
+            for acc, e in zip(values(state.accumulators), expected):
+                np.testing.assert_allclose(acc, e, rtol=1e-6, atol=1e-7)
+    assert [id(v) for v in state.variables] == [id(v) for v in model.trainable_variables]
+    assert as_int(state.micro_step) == 0 and float(keras.ops.convert_to_numpy(state.weight_total)) == 0.0
+    assert all(not np.any(a) for a in values(state.accumulators))
+
+
+def test_will_apply_marks_the_apply_steps():
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 3)
+    x, y = make_data(4)
+    seen = []
+    for _ in range(6):
+        seen.append(bool(keras.ops.convert_to_numpy(opt.will_apply)))
+        opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables))
+    assert seen == [False, False, True, False, False, True]
+
+
+def test_flush_applies_the_mean_of_what_was_accumulated():
+    x, y = make_data(24)
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), split(x, y, [16, 8]))
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4)
+    opt.build(model.trainable_variables)
+    for xb, yb in split(x, y, [4] * 6):
         opt.apply(gradients(model, xb, yb))
     opt.flush()
-    assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 0
+    assert as_int(opt.micro_step) == 0
     assert_states_close(ref, full_state(model, opt))
     state = full_state(model, opt)
     opt.flush()  # an empty cycle: nothing changes
     assert_same(list(state.values()), list(full_state(model, opt).values()))
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_n_as_a_schedule_of_applied_updates(mode):
+def test_n_as_a_schedule_of_applied_updates():
     """`n` is 2 for the first two updates, then 4."""
     x, y = make_data(48)
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [8, 8, 16, 16]))
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), split(x, y, [8, 8, 16, 16]))
     acc, _, opt = _train(
-        lambda: keras.optimizers.Adam(1e-2), _split(x, y, [4] * 12),
-        lambda o: accumulate(o, lambda step: keras.ops.where(step < 2, 2, 4), mode=mode),
+        lambda: keras.optimizers.Adam(1e-2), split(x, y, [4] * 12),
+        lambda o: accumulate(o, lambda step: keras.ops.where(step < 2, 2, 4)),
     )
     assert acc["iterations"] == 4
     assert_states_close(ref, acc)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_none_gradients_leave_a_variable_out_as_the_large_batch_does(mode):
+def test_none_gradients_leave_a_variable_out_as_the_large_batch_does():
     """A variable whose gradient is None in every micro-batch is not updated
     (no slot moves, no weight decay), as the plain optimizer skips it."""
     x, y = make_data(32)
@@ -139,45 +169,16 @@ def test_none_gradients_leave_a_variable_out_as_the_large_batch_does(mode):
         opt = keras.optimizers.AdamW(1e-2, weight_decay=0.1)
         opt = opt if wrap is None else wrap(opt)
         opt.build(model.trainable_variables)
-        for xb, yb in _split(x, y, sizes):
+        for xb, yb in split(x, y, sizes):
             grads = list(gradients(model, xb, yb))
             grads[0] = None  # the first kernel
             opt.apply(grads, model.trainable_variables)
         return full_state(model, opt), model
 
     ref, ref_model = run([16, 16], None)
-    acc, model = run([4] * 8, lambda o: accumulate(o, 4, mode=mode))
+    acc, model = run([4] * 8, lambda o: accumulate(o, 4))
     assert_states_close(ref, acc)
     assert_same(values(model.trainable_variables[:1]), values(make_mlp().trainable_variables[:1]))
-
-
-def test_every_gradient_none_raises():
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.SGD(1e-2), 2)
-    with pytest.raises(ValueError, match="No gradients"):
-        opt.apply([None] * len(model.trainable_variables), model.trainable_variables)
-
-
-def test_negative_weight_raises():
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.SGD(1e-2), 2)
-    x, y = make_data(4)
-    with pytest.raises(ValueError, match="weight"):
-        opt.apply(gradients(model, x, y), model.trainable_variables, weight=-1.0)
-    # PyTorch checks a tensor on the device, without reading it back: an
-    # asynchronous assertion, which raises PyTorch's RuntimeError.
-    with pytest.raises(RuntimeError if BACKEND == "torch" else ValueError, match="weight"):
-        opt.apply(
-            gradients(model, x, y), model.trainable_variables,
-            weight=keras.ops.convert_to_tensor(-2.0),
-        )
-
-
-def test_sparse_slices_is_refused_by_name_off_tensorflow():
-    if BACKEND == "tensorflow":
-        pytest.skip("TensorFlow keeps slices (tests/test_sparse.py)")
-    with pytest.raises(ValueError, match="sparse='slices'.*TensorFlow"):
-        accumulate(keras.optimizers.SGD(1e-2), 2, sparse="slices")
 
 
 # ----------------------------------------------------------------------
@@ -211,26 +212,25 @@ def _write_back(model, opt, trainable, optimizer_values):
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
-@pytest.mark.parametrize("mode", MODES)
-def test_stateless_apply_inside_jit_matches_large_batch(mode):
+def test_stateless_apply_inside_jit_matches_large_batch():
     x, y = make_data(48)
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), split(x, y, [16] * 3))
 
     model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(1e-2), 4, mode=mode)
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4)
     opt.build(model.trainable_variables)
     step = _jitted_step(model, opt)
     trainable = [v.value for v in model.trainable_variables]
     optimizer_values = [v.value for v in opt.variables]
     before = list(trainable)
-    for k, (xb, yb) in enumerate(_split(x, y, [4] * 12)):
+    for k, (xb, yb) in enumerate(split(x, y, [4] * 12)):
         trainable, optimizer_values = step(trainable, optimizer_values, xb, yb)
         if k < 3:  # in between: the model is unchanged
             assert_same(values(before), values(trainable))
     assert step._cache_size() == 1
     _write_back(model, opt, trainable, optimizer_values)
     assert_states_close(ref, full_state(model, opt))
-    assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 0
+    assert as_int(opt.micro_step) == 0
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
@@ -240,7 +240,7 @@ def test_jitted_micro_steps_transfer_nothing_to_or_from_the_host():
     import jax
 
     x, y = make_data(48)
-    batches = [(jax.device_put(xb), jax.device_put(yb)) for xb, yb in _split(x, y, [4] * 12)]
+    batches = [(jax.device_put(xb), jax.device_put(yb)) for xb, yb in split(x, y, [4] * 12)]
     model = make_mlp()
     opt = accumulate(keras.optimizers.Adam(1e-2), 4)
     opt.build(model.trainable_variables)
@@ -253,7 +253,7 @@ def test_jitted_micro_steps_transfer_nothing_to_or_from_the_host():
             trainable, optimizer_values = step(trainable, optimizer_values, xb, yb)
         jax.block_until_ready(trainable)
     assert step._cache_size() == 1
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), split(x, y, [16] * 3))
     _write_back(model, opt, trainable, optimizer_values)
     assert_states_close(ref, full_state(model, opt))
 
@@ -264,13 +264,13 @@ def test_a_cycle_after_jit_starts_afresh_and_files_and_views_show_no_stale_sums(
     # (clearing them would copy the parameters on every micro-step); the
     # next cycle's first micro-step writes over them, here eagerly.
     x, y = make_data(48)
-    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), _split(x, y, [16] * 3))
+    ref, _, _ = _train(lambda: keras.optimizers.Adam(1e-2), split(x, y, [16] * 3))
 
     model = make_mlp()
     opt = accumulate(keras.optimizers.Adam(1e-2), 4)
     opt.build(model.trainable_variables)
     step = _jitted_step(model, opt)
-    batches = _split(x, y, [4] * 12)
+    batches = split(x, y, [4] * 12)
     trainable = [v.value for v in model.trainable_variables]
     optimizer_values = [v.value for v in opt.variables]
     for xb, yb in batches[:4]:  # one whole cycle, traced
@@ -312,29 +312,18 @@ def test_stateless_apply_is_refused_on_tensorflow():
         opt.stateless_apply([], [], [])
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_adaptive_gradient_clipping_clips_the_large_batch_gradient(mode):
+def test_adaptive_gradient_clipping_clips_the_large_batch_gradient():
     """AGC clips the accumulated gradient once per update, as it would clip
-    the large batch's (NumPy reference, tests/agc_reference.py)."""
-    from tests.agc_reference import np_agc
-
+    the large batch's (NumPy reference, `tests.helpers.agc`)."""
     factor, eps = 0.01, 1e-3
     x, y = make_data(48)
     model = make_mlp()
     ref = keras.optimizers.Adam(1e-2)
-    ref.build(model.trainable_variables)
-    clipped = 0
-    for xb, yb in _split(x, y, [16] * 3):
-        grads = []
-        for g, v in zip(gradients(model, xb, yb), model.trainable_variables):
-            c, k, _ = np_agc(np.asarray(keras.ops.convert_to_numpy(g)), v.numpy(), factor, eps)
-            clipped += k
-            grads.append(keras.ops.convert_to_tensor(c))
-        ref.apply(grads, model.trainable_variables)
+    clipped, _ = train_clipped(model, ref, None, x, y, 16, factor, eps)
     assert clipped > 0  # the clip bites
     acc, _, _ = _train(
-        lambda: keras.optimizers.Adam(1e-2), _split(x, y, [4] * 12),
-        lambda o: accumulate(o, 4, mode=mode, agc=factor, agc_eps=eps),
+        lambda: keras.optimizers.Adam(1e-2), split(x, y, [4] * 12),
+        lambda o: accumulate(o, 4, agc=factor, agc_eps=eps),
     )
     assert_states_close(full_state(model, ref), acc)
 

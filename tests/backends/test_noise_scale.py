@@ -14,8 +14,7 @@ import pytest
 
 import gradaccum
 from gradaccum import accumulate
-from tests.backends.helpers import BACKEND, JIT, gradients, values
-from tests.support import assert_states_close, fit_pair, make_data, make_mlp
+from tests.helpers import BACKEND, JIT, assert_states_close, fit_pair, gradients, make_data, make_mlp, values
 
 D, SIGMA = 10, 1.0
 

@@ -9,8 +9,7 @@ import keras
 import numpy as np
 
 from gradaccum import accumulate
-from tests.backends.helpers import values
-from tests.support import ATOL, RTOL, assert_states_close, fit, full_state, make_data
+from tests.helpers import ATOL, RTOL, assert_states_close, fit, full_state, make_data, values
 
 # Keras's `test_overwrite_with_gradient_with_gradient_accumulation`, with values
 # whose maximum differs from both their mean and the last value.

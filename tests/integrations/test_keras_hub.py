@@ -15,7 +15,7 @@ import pytest
 
 import gradaccum
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.support import MODES, assert_states_close, assert_states_equal, full_state
+from tests.helpers import assert_states_close, assert_states_equal, full_state
 
 N, B, CYCLES = 2, 4, 3
 LENGTH = 8
@@ -63,12 +63,11 @@ def _reference():
     return full_state(task, task.optimizer)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_task_fit_in_accumulating_block_equals_large_batch(mode):
+def test_task_fit_in_accumulating_block_equals_large_batch():
     reference = _reference()
     x, y = _data(B * N * CYCLES)
     task = _task()
-    with gradaccum.accumulating(N, mode=mode, sparse="slices"):
+    with gradaccum.accumulating(N, sparse="slices"):
         task.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     assert isinstance(task.optimizer, AccumulatingOptimizer)
     assert task.optimizer.n == N and task.optimizer.sparse == "slices"
@@ -95,8 +94,7 @@ def test_rows_default_differs_on_the_segment_embedding():
         assert_states_close(reference, state)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_saved_mid_cycle_reloaded_and_fit_again_is_bit_identical(mode, tmp_path):
+def test_saved_mid_cycle_reloaded_and_fit_again_is_bit_identical(tmp_path):
     """Saved to `.keras` after 1.5 cycles, reloaded with `load_model`, fit
     1.5 cycles more: equal bit for bit to 3 cycles without a break.
 
@@ -109,7 +107,7 @@ def test_saved_mid_cycle_reloaded_and_fit_again_is_bit_identical(mode, tmp_path)
     half = B * N * CYCLES // 2
 
     def accumulating_optimizer():
-        return accumulate(keras.optimizers.Adam(5e-5), N, mode=mode, sparse="slices")
+        return accumulate(keras.optimizers.Adam(5e-5), N, sparse="slices")
 
     whole = _task()
     whole.compile(optimizer=accumulating_optimizer())

@@ -12,11 +12,10 @@ embeddings' `tf.IndexedSlices` hold repeated rows; with SGD and a
 import keras
 import keras_rs
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from gradaccum import accumulate
-from tests.support import MODES, assert_states_close, assert_states_equal, full_state
+from tests.helpers import assert_states_close, assert_states_equal, full_state
 
 N, B, CYCLES = 3, 4, 3
 USERS, ITEMS = 5, 7
@@ -91,10 +90,9 @@ def test_the_case_under_test():
     assert float(tf.linalg.global_norm(grads)) > 2 * _sgd().global_clipnorm
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_own_train_step_equals_the_large_batch(mode):
+def test_own_train_step_equals_the_large_batch():
     reference = _train(_sgd(), B * N)
-    state = _train(accumulate(_sgd(), N, mode=mode, sparse="slices"), B)
+    state = _train(accumulate(_sgd(), N, sparse="slices"), B)
     assert int(state["iterations"]) == CYCLES
     assert_states_close(reference, state)
 

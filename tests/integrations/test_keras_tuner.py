@@ -17,17 +17,16 @@ fresh moments.
 import keras
 import keras_tuner
 import numpy as np
-import pytest
 
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.support import MODES, assert_states_close, full_state, make_data
+from tests.helpers import assert_states_close, full_state, make_data
 
 N, B, CYCLES = 2, 4, 3
 X, Y = make_data(B * N * CYCLES)
 X_VAL, Y_VAL = make_data(16, seed=1)
 
 
-def _hypermodel(accumulating: bool, mode: str = "masked"):
+def _hypermodel(accumulating: bool):
     def build(hp):
         keras.utils.set_random_seed(0)  # every trial starts from the same weights
         model = keras.Sequential(
@@ -40,7 +39,7 @@ def _hypermodel(accumulating: bool, mode: str = "masked"):
         )
         optimizer = keras.optimizers.Adam(hp.Choice("learning_rate", [1e-2, 3e-2]))
         if accumulating:
-            optimizer = accumulate(optimizer, N, mode=mode)
+            optimizer = accumulate(optimizer, N)
         model.compile(optimizer=optimizer, loss="mse")
         if not accumulating:
             # Keras skips a file's optimizer state for an unbuilt optimizer.
@@ -76,9 +75,9 @@ def _best_state(tuner, accumulating):
     return full_state(model, optimizer)
 
 
-def _compare(make_tuner, mode, tmp_path):
+def _compare(make_tuner, tmp_path):
     reference = _search(make_tuner(_hypermodel(False), tmp_path / "reference"), False)
-    subject = _search(make_tuner(_hypermodel(True, mode), tmp_path / "subject"), True)
+    subject = _search(make_tuner(_hypermodel(True), tmp_path / "subject"), True)
     for tuner in (reference, subject):
         statuses = [t.status for t in _trials(tuner)]
         assert statuses and all(s == "COMPLETED" for s in statuses), statuses
@@ -94,14 +93,12 @@ def _compare(make_tuner, mode, tmp_path):
     return reference, subject
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_random_search_best_models_equal_the_large_batch(mode, tmp_path):
+def test_random_search_best_models_equal_the_large_batch(tmp_path):
     _compare(
         lambda hypermodel, directory: keras_tuner.RandomSearch(
             hypermodel, objective="val_loss", max_trials=2, seed=1,
             directory=str(directory), project_name="search", overwrite=True,
         ),
-        mode,
         tmp_path,
     )
 
@@ -113,7 +110,6 @@ def test_hyperband_continued_trials_load_checkpoints_and_equal_the_large_batch(t
             hyperband_iterations=1, directory=str(directory), project_name="hyperband",
             overwrite=True,
         ),
-        "masked",
         tmp_path,
     )
     continued = [t for t in _trials(subject) if "tuner/trial_id" in t.hyperparameters.values]

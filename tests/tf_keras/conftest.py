@@ -1,19 +1,5 @@
-"""Set-up for the tf_keras tests: they need a legacy Keras 2 process.
+"""The tf_keras tests need a legacy Keras 2 process (see `tests.helpers.legacy`)."""
 
-TensorFlow fixes its Keras flavour when it is imported, so these tests run in
-their own process with `TF_USE_LEGACY_KERAS=1` (`tox -e tfkeras`). In a
-Keras 3 process they are not collected, and the run says so at its end.
-"""
+from tests.helpers.legacy import collect_only_under_legacy_keras
 
-import os
-
-_LEGACY = os.environ.get("TF_USE_LEGACY_KERAS", "") in ("1", "true", "True")
-
-if not _LEGACY:
-    collect_ignore_glob = ["test_*.py"]
-
-    def pytest_terminal_summary(terminalreporter):
-        terminalreporter.write_line(
-            "tests/tf_keras not collected: they need TF_USE_LEGACY_KERAS=1 "
-            "in their own process (tox -e tfkeras)."
-        )
+collect_ignore_glob, pytest_terminal_summary = collect_only_under_legacy_keras("tests/tf_keras")

@@ -12,14 +12,8 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import AccumulatingOptimizer, accumulating
-from tests.support import MODES
-from tests.tf_keras.support import (
-    assert_states_close,
-    full_state,
-    make_data,
-    make_mlp,
-    run_python,
-)
+from tests.helpers import MODES, assert_states_close, full_state, make_data, make_mlp
+from tests.helpers.processes import run_python
 
 N, B = 3, 4
 X, Y = make_data(B * N * 4)

@@ -1,7 +1,7 @@
 """tf_keras: adaptive gradient clipping of the accumulated gradient.
 
 The reference trains the plain optimizer on batches of `B * n` and clips
-each large-batch gradient with the NumPy reference (`tests.agc_reference`);
+each large-batch gradient with the NumPy reference (`tests.helpers.agc`);
 the subject is `accumulate(optimizer, n, agc=...)` on micro-batches of `B`.
 """
 
@@ -9,9 +9,9 @@ import pytest
 import tf_keras
 
 from gradaccum import accumulate
-from tests.agc_reference import train_clipped
-from tests.support import MODES, mirrored
-from tests.tf_keras.support import assert_states_close, full_state, make_data, make_mlp
+from tests.helpers import MODES, assert_states_close, full_state, make_data, make_mlp
+from tests.helpers.agc import train_clipped
+from tests.helpers.distribute import mirrored
 
 N, B, CYCLES = 4, 4, 3
 FACTOR, EPS = 0.3, 1e-3

@@ -8,7 +8,8 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.tf_keras.support import make_data, make_mlp, mse_grads, run_python
+from tests.helpers import gradients, make_data, make_mlp
+from tests.helpers.processes import run_python
 
 MAKERS = [
     pytest.param(lambda: tf_keras.optimizers.Adam(1e-2), id="new"),
@@ -53,7 +54,7 @@ def test_not_an_optimizer_names_the_tf_keras_families():
 def test_unknown_apply_gradients_argument(make):
     model, opt = make_mlp(), accumulate(make(), 2)
     x, y = make_data(4)
-    pairs = list(zip(mse_grads(model, x, y), model.trainable_variables))
+    pairs = list(zip(gradients(model, x, y), model.trainable_variables))
     with pytest.raises(TypeError, match="'experimental_agregate_gradients'"):
         opt.apply_gradients(pairs, experimental_agregate_gradients=False)
     # The second positional argument is gradaccum's `weight`, not `name`.
@@ -66,7 +67,7 @@ def test_unknown_apply_gradients_argument(make):
 def test_gradient_for_a_variable_it_was_not_built_for():
     model, opt = make_mlp(), accumulate(tf_keras.optimizers.Adam(1e-2), 2)
     x, y = make_data(4)
-    opt.apply_gradients(zip(mse_grads(model, x, y), model.trainable_variables))
+    opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables))
     other = tf.Variable(tf.zeros((3,)), name="stranger")
     with pytest.raises(ValueError, match="stranger"):
         opt.apply_gradients([(tf.ones((3,)), other)])
@@ -76,7 +77,7 @@ def test_legacy_optimizer_adds_a_variable_it_was_not_built_for():
     """As the plain OptimizerV2 does (it creates slots per variable)."""
     model, opt = make_mlp(), accumulate(tf_keras.optimizers.legacy.Adam(1e-2), 2)
     x, y = make_data(4)
-    opt.apply_gradients(zip(mse_grads(model, x, y), model.trainable_variables))
+    opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables))
     other = tf.Variable(tf.zeros((3,)), name="stranger")
     opt.apply_gradients([(tf.ones((3,)), other)])  # ends the cycle
     assert int(opt.iterations) == 1
@@ -92,7 +93,7 @@ def test_prebuilt_optimizer_given_other_variables():
     opt = accumulate(plain, 2)
     x, y = make_data(4)
     with pytest.raises(ValueError, match="out/kernel"):
-        opt.apply_gradients(zip(mse_grads(model, x, y), model.trainable_variables))
+        opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables))
 
 
 @pytest.mark.parametrize("make", MAKERS)

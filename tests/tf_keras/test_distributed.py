@@ -10,21 +10,24 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import accumulate
-from tests.support import MODES, mirrored
-from tests.tf_keras.support import (
-    GROW_LEGACY,
-    GROW_N,
-    GROW_PATTERNS,
+from tests.helpers import (
+    MODES,
     assert_states_close,
     assert_states_equal,
     fit,
     full_state,
+    make_data,
+    make_mlp,
+)
+from tests.helpers.distribute import mirrored
+from tests.helpers.growing import (
+    GROW_LEGACY,
+    GROW_N,
+    GROW_PATTERNS,
     grow_grads,
     grow_reference,
     grow_state,
     grow_variables,
-    make_data,
-    make_mlp,
 )
 
 N, B, CYCLES = 3, 8, 3
@@ -45,7 +48,7 @@ MAKERS = {
 
 
 def _strategy():
-    # One strategy per process (see `tests.support.mirrored`).
+    # One strategy per process (see `tests.helpers.distribute.mirrored`).
     strategy = mirrored()
     assert strategy.num_replicas_in_sync == 2
     return strategy

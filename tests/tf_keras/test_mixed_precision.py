@@ -1,27 +1,29 @@
 """tf_keras LossScaleOptimizer, around either optimizer family, both orders."""
 
-import contextlib
-
 import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras
 
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.tf_keras.support import (
+from tests.helpers import (
+    assert_states_close,
+    assert_states_equal,
+    core_of,
+    dtype_policy,
+    fit,
+    full_state,
+    make_data,
+    make_mlp,
+)
+from tests.helpers.growing import (
     GROW_LEGACY,
     GROW_N,
     GROW_PATTERNS,
-    assert_states_close,
-    assert_states_equal,
-    fit,
-    full_state,
     grow_grads,
     grow_reference,
     grow_state,
     grow_variables,
-    make_data,
-    make_mlp,
 )
 
 N, B, CYCLES = 3, 4, 3
@@ -43,27 +45,6 @@ WRAPS = {
 }
 
 
-@contextlib.contextmanager
-def policy(name):
-    previous = tf_keras.mixed_precision.global_policy()
-    tf_keras.mixed_precision.set_global_policy(name)
-    try:
-        yield
-    finally:
-        tf_keras.mixed_precision.set_global_policy(previous)
-
-
-def _core(opt):
-    """The AccumulatingOptimizer that holds the accumulators.
-
-    A loss-scale optimizer's (or front's) `inner_optimizer` is the core; a
-    core around a plain optimizer has none.
-    """
-    core = getattr(opt, "inner_optimizer", opt)
-    assert isinstance(core, AccumulatingOptimizer)
-    return core
-
-
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize(
     "order", ["accumulate_lso", "lso_accumulate", "compile_auto_wrap"]
@@ -71,7 +52,7 @@ def _core(opt):
 def test_fit_equals_large_batch_mixed_float16(kind, order):
     make = KINDS[kind]
     x, y = make_data(B * N * CYCLES)
-    with policy("mixed_float16"):
+    with dtype_policy("mixed_float16"):
         ref_model, ref_opt = make_mlp(), LSO(make())
         fit(ref_model, ref_opt, x, y, B * N)
         model = make_mlp()
@@ -89,7 +70,7 @@ def test_fit_equals_large_batch_mixed_float16(kind, order):
     assert acc["iterations"] == CYCLES
     assert_states_close(ref, acc, rtol=FP16_RTOL, atol=FP16_ATOL)
     # Accumulators are float32 whatever the compute dtype.
-    state = _core(model.optimizer).accumulation_state
+    state = core_of(model.optimizer).accumulation_state
     assert all(a.dtype == tf.float32 for a in state.accumulators)
 
 
@@ -176,7 +157,7 @@ def _run_with_bad_micro_batch(kind, order, traced, bad=4, counted=False):
         step(xb, yb, k == bad)
         if k == bad:
             around = (before, full_state(model, opt))
-        micro_steps.append(int(_core(opt).micro_step))
+        micro_steps.append(int(core_of(opt).micro_step))
     ref = full_state(ref_model, ref_opt)
     return ref, opt, full_state(model, opt), around, micro_steps
 

@@ -5,7 +5,7 @@ import inspect
 import pytest
 import tf_keras
 
-from tests.tf_keras.support import assert_states_close, fit_pair
+from tests.helpers import assert_states_close, fit_pair
 
 LR = 1e-2
 new = tf_keras.optimizers

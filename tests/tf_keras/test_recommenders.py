@@ -21,8 +21,7 @@ import tensorflow_recommenders as tfrs
 import tf_keras
 
 from gradaccum import accumulate
-from tests.support import MODES
-from tests.tf_keras.support import assert_states_close, assert_states_equal, full_state
+from tests.helpers import MODES, assert_states_close, assert_states_equal, full_state
 
 N, B, CYCLES = 3, 4, 3
 USERS, ITEMS = 6, 8

@@ -11,16 +11,17 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import accumulate
-from tests.support import MODES
-from tests.tf_keras.support import (
+from tests.helpers import (
+    MODES,
     assert_states_close,
     assert_states_equal,
     fit_pair,
     full_state,
+    gradients,
     make_data,
     make_embedding_model,
     make_mlp,
-    mse_grads,
+    split,
 )
 from tests.tf_keras.test_optimizers import LEGACY_OPTIMIZERS, OPTIMIZERS
 
@@ -34,10 +35,6 @@ BOTH_ADAM = [
     pytest.param(lambda: new.Adam(1e-2), id="adam"),
     pytest.param(lambda: legacy.Adam(1e-2), id="legacy_adam"),
 ]
-
-
-def _batches(x, y, size):
-    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
 
 
 def _custom_loop_pair(
@@ -58,11 +55,11 @@ def _custom_loop_pair(
     """
     x, y = data if data is not None else make_data(micro_batch * n * cycles)
     ref_model, ref_opt = make_model(), make_optimizer()
-    for xb, yb in _batches(x, y, micro_batch * n):
+    for xb, yb in split(x, y, micro_batch * n):
         step(ref_model, ref_opt, xb, yb)
     model, opt = make_model(), accumulate(make_optimizer(), n, mode=mode)
     in_between = []
-    for i, (xb, yb) in enumerate(_batches(x, y, micro_batch)):
+    for i, (xb, yb) in enumerate(split(x, y, micro_batch)):
         before = full_state(model, opt) if i >= n else None
         step(model, opt, xb, yb)
         if before is not None and (i + 1) % n:
@@ -71,7 +68,7 @@ def _custom_loop_pair(
 
 
 def _apply_step(model, opt, x, y):
-    opt.apply_gradients(zip(mse_grads(model, x, y), model.trainable_variables))
+    opt.apply_gradients(zip(gradients(model, x, y), model.trainable_variables))
 
 
 def _traced_per_model(fn, jit_compile=False):
@@ -222,7 +219,7 @@ def test_sparse_embedding_gradients(make, mode):
 
 
 def _sparse_step(model, opt, x, y):
-    grads = mse_grads(model, x, y)
+    grads = gradients(model, x, y)
     assert any(isinstance(g, tf.IndexedSlices) for g in grads)
     opt.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -246,7 +243,7 @@ def _sparse_step(model, opt, x, y):
 )
 def test_apply_gradients_takes_the_tf_keras_arguments(make, kwargs):
     def step(model, opt, x, y):
-        grads = mse_grads(model, x, y)
+        grads = gradients(model, x, y)
         opt.apply_gradients(zip(grads, model.trainable_variables), **kwargs)
 
     ref, acc, in_between = _custom_loop_pair(make, 3, step)
@@ -261,13 +258,13 @@ def test_wrapping_a_trained_optimizer_keeps_its_state(make):
     ref_model, ref_opt = make_mlp(), make()
     model, opt = make_mlp(), make()
     # Two plain large-batch steps on both, then the subject accumulates.
-    for xb, yb in _batches(x[:24], y[:24], 12):
+    for xb, yb in split(x[:24], y[:24], 12):
         _apply_step(ref_model, ref_opt, xb, yb)
         _apply_step(model, opt, xb, yb)
-    for xb, yb in _batches(x[24:], y[24:], 12):
+    for xb, yb in split(x[24:], y[24:], 12):
         _apply_step(ref_model, ref_opt, xb, yb)
     acc = accumulate(opt, 3)
-    for xb, yb in _batches(x[24:], y[24:], 4):
+    for xb, yb in split(x[24:], y[24:], 4):
         _apply_step(model, acc, xb, yb)
     assert int(acc.iterations.numpy()) == 4
     assert_states_close(full_state(ref_model, ref_opt), full_state(model, acc))
@@ -318,7 +315,7 @@ def test_weighted_ragged_micro_batches_and_flush(make):
     model, opt = make_mlp(), accumulate(make(), 3)
     bounds = [0, 4, 6, 12, 16, 18, 24, 27, 29]
     for lo, hi in zip(bounds, bounds[1:]):
-        grads = mse_grads(model, x[lo:hi], y[lo:hi])
+        grads = gradients(model, x[lo:hi], y[lo:hi])
         opt.apply_gradients(zip(grads, model.trainable_variables), weight=hi - lo)
     assert int(opt.iterations.numpy()) == 2 and int(opt.micro_step) == 2
     opt.flush()
@@ -338,8 +335,8 @@ def test_n_1_is_the_plain_optimizer_bit_for_bit(make, kwargs):
     x, y = make_data(12)
     ref_model, ref_opt = make_mlp(), make()
     model, opt = make_mlp(), accumulate(make(), 1)
-    for xb, yb in _batches(x, y, 4):
+    for xb, yb in split(x, y, 4):
         for m, o in ((ref_model, ref_opt), (model, opt)):
-            grads = mse_grads(m, xb, yb)
+            grads = gradients(m, xb, yb)
             o.apply_gradients(zip(grads, m.trainable_variables), **kwargs)
     assert_states_equal(full_state(ref_model, ref_opt), full_state(model, opt))

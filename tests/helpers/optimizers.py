@@ -1,12 +1,14 @@
-"""Every optimizer Keras 3 ships: accumulated training equals large batch."""
+"""The Keras 3 optimizers every sweep covers, and what Keras ships."""
+
+from __future__ import annotations
+
+import inspect
 
 import keras
-import pytest
-
-from tests.support import MODES, assert_states_close, fit_pair, shipped_optimizers
 
 LR = 1e-2
 
+# One entry per optimizer Keras 3 ships, with its variants.
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(LR),
     "sgd_momentum": lambda: keras.optimizers.SGD(LR, momentum=0.9),
@@ -15,9 +17,7 @@ OPTIMIZERS = {
     "adam_amsgrad": lambda: keras.optimizers.Adam(LR, amsgrad=True),
     "adamw": lambda: keras.optimizers.AdamW(LR, weight_decay=0.05),
     "rmsprop": lambda: keras.optimizers.RMSprop(LR),
-    "rmsprop_centered": lambda: keras.optimizers.RMSprop(
-        LR, momentum=0.5, centered=True
-    ),
+    "rmsprop_centered": lambda: keras.optimizers.RMSprop(LR, momentum=0.5, centered=True),
     "adagrad": lambda: keras.optimizers.Adagrad(LR),
     "adadelta": lambda: keras.optimizers.Adadelta(1.0),
     "adamax": lambda: keras.optimizers.Adamax(LR),
@@ -33,18 +33,13 @@ OPTIMIZERS = {
 }
 
 
-def test_every_builtin_optimizer_is_covered():
-    """A new optimizer in `keras.optimizers` must get an entry above."""
-    shipped = shipped_optimizers()
-    covered = {type(make()).__name__ for make in OPTIMIZERS.values()}
-    assert shipped <= covered, sorted(shipped - covered)
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_matches_large_batch_after_three_cycles(name, mode):
-    ref, acc, _, opt = fit_pair(OPTIMIZERS[name], n=3, micro_batch=4, cycles=3, mode=mode)
-    assert opt.mode == mode
-    assert acc["iterations"] == 3
-    assert int(opt.micro_step) == 0
-    assert_states_close(ref, acc)
+def shipped_optimizers() -> set[str]:
+    """Names of the optimizers `keras.optimizers` ships (wrappers excluded)."""
+    wrappers = {"Optimizer", "LossScaleOptimizer", "MultiOptimizer", "OptimizerMap"}
+    return {
+        name
+        for name, obj in vars(keras.optimizers).items()
+        if inspect.isclass(obj)
+        and issubclass(obj, keras.optimizers.Optimizer)
+        and name not in wrappers
+    }

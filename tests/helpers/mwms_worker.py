@@ -9,7 +9,7 @@ at all (its symbolic build reduces the first batch with `strategy.reduce`,
 which fails for any model and optimizer); the worker then records the
 traceback under `fit/error` for the test to check.
 
-    python -m tests.mwms_worker OUTPUT.npz
+    python -m tests.helpers.mwms_worker OUTPUT.npz
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from gradaccum import accumulate  # noqa: E402
-from tests.dist_support import (  # noqa: E402
+from tests.helpers import make_data, make_mlp  # noqa: E402
+from tests.helpers.distribute import (  # noqa: E402
     custom_loop,
     distributed_batches,
     replica_accumulators,
     replica_states,
 )
-from tests.support import make_data, make_mlp  # noqa: E402
 
 N = 3
 MICRO_BATCH = 4  # global: 2 samples per worker

@@ -1,4 +1,4 @@
-"""Helpers for training under `tf.distribute`, shared by tests and workers.
+"""Training under `tf.distribute` (TensorFlow only), for tests and workers.
 
 `custom_loop` trains with `strategy.run` inside a `tf.function`, the way
 custom training code does; under the default strategy it is the plain
@@ -17,7 +17,20 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tests.support import assert_states_equal, optimizer_state
+from tests.helpers.state import assert_states_equal, named_variables
+
+_MIRRORED: list[tf.distribute.MirroredStrategy] = []
+
+
+def mirrored() -> tf.distribute.MirroredStrategy:
+    """One MirroredStrategy over the two logical CPUs (tests/conftest.py), shared by all tests.
+
+    Several MirroredStrategy objects in one process hand out the same
+    collective instance keys, so their all-reduces can meet each other.
+    """
+    if not _MIRRORED:
+        _MIRRORED.append(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+    return _MIRRORED[0]
 
 
 def distributed_batches(
@@ -100,11 +113,8 @@ def _local(strategy: tf.distribute.Strategy, variable: Any) -> list[np.ndarray]:
 def replica_states(
     strategy: tf.distribute.Strategy, model: keras.Model, optimizer: Any
 ) -> list[dict[str, np.ndarray]]:
-    """`support.full_state` for each local replica's copy of the variables."""
-    # Keys as in `support.full_state`.
-    named = [("model/" + "/".join(v.path.split("/")[-2:]), v) for v in model.weights]
-    named += list(zip(optimizer_state(optimizer, model.name), optimizer.variables))
-    named.append(("iterations", optimizer.iterations))
+    """`state.full_state` for each local replica's copy of the variables."""
+    named = named_variables(model, optimizer) + [("iterations", optimizer.iterations)]
     states: list[dict[str, np.ndarray]] = [
         {} for _ in range(len(strategy.extended.worker_devices))
     ]

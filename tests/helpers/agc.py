@@ -38,7 +38,7 @@ def np_agc(g: np.ndarray, w: np.ndarray, factor: float, eps: float):
 def train_clipped(
     model: Any,
     optimizer: Any,
-    loss_fn: Callable[[Any, Any], Any],
+    loss_fn: Callable[[Any, Any], Any] | None,
     x: np.ndarray,
     y: np.ndarray,
     batch: int,
@@ -48,24 +48,31 @@ def train_clipped(
 ) -> tuple[int, int]:
     """Trains the plain `optimizer` on batches of `batch` in order, each
     gradient clipped by `np_agc` (variables `exclude` names left as they
-    are). Works for Keras 3 and tf_keras alike.
+    are). Works for Keras 3 on every backend and for tf_keras.
 
     Returns `(units clipped, units left)` over all steps.
     """
-    import tensorflow as tf
+    import keras
+
+    from tests.helpers.training import BACKEND, gradients
+
+    def numpy(g: Any) -> np.ndarray:
+        if BACKEND == "tensorflow":  # an `IndexedSlices` too
+            import tensorflow as tf
+
+            return tf.convert_to_tensor(g).numpy()
+        return np.asarray(keras.ops.convert_to_numpy(g))
 
     clipped = left = 0
     for start in range(0, len(x), batch):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y[start : start + batch], model(x[start : start + batch], training=True))
-        grads = tape.gradient(loss, model.trainable_variables)
+        grads = gradients(model, x[start : start + batch], y[start : start + batch], loss=loss_fn)
         new = []
         for g, v in zip(grads, model.trainable_variables):
             if exclude(v):
                 new.append(g)
                 continue
-            c, k, m = np_agc(tf.convert_to_tensor(g).numpy(), v.numpy(), factor, eps)
+            c, k, m = np_agc(numpy(g), np.asarray(keras.ops.convert_to_numpy(v)), factor, eps)
             clipped, left = clipped + k, left + m
-            new.append(tf.constant(c))
+            new.append(keras.ops.convert_to_tensor(c))
         optimizer.apply_gradients(zip(new, model.trainable_variables))
     return clipped, left
