@@ -95,3 +95,32 @@ def test_fit_with_a_layer_frozen_and_unfrozen_between_cycles(name):
         _fit(model, optimizer, x, y, batch)
         states.append(full_state(model, optimizer))
     assert_states_close(*states)
+
+
+def test_ema_overwrite_reaches_a_variable_without_gradients(mode):
+    """With `ema_overwrite_frequency`, Keras overwrites every variable the
+    optimizer was built for with its moving average after each update, the
+    one absent from the gradient list too; such a variable then moves by the
+    average's rounding, which must match bit for bit."""
+    rng = np.random.default_rng(0)
+    start = [rng.normal(size=s).astype("float32") for s in [(3, 2), (2,), (6, 2)]]
+
+    def run(accumulating):
+        variables = [keras.Variable(v) for v in start]
+        opt = keras.optimizers.SGD(0.01, use_ema=True, ema_momentum=0.625, ema_overwrite_frequency=1)
+        if accumulating:
+            opt = accumulate(opt, 2, mode=mode)
+        opt.build(variables)
+        grads = [[np.full(v.shape, 0.1 * (s + 1), "float32") for v in variables] for s in range(4)]
+        for s in (2, 3):
+            grads[s][2] = None  # the table has no gradient in the second cycle
+        if accumulating:
+            for g in grads:
+                opt.apply(g, variables)
+        else:
+            opt.apply([(a + b) / 2 for a, b in zip(grads[0], grads[1])], variables)
+            opt.apply([(a + b) / 2 for a, b in zip(grads[2][:2], grads[3][:2])], variables[:2])
+        return [keras.ops.convert_to_numpy(v) for v in variables]
+
+    for expected, actual in zip(run(False), run(True)):
+        np.testing.assert_array_equal(actual, expected)

@@ -194,7 +194,7 @@ class TensorFlowBackend:
             model = [family.model_variable(update.taking_part[k]) for k in update.conditions]
             with updates.masking_writes(model, tf.constant(True), conditions), updates.skipping_each(
                 family.optimizer, family.per_variable_update, tf.constant(True), conditions
-            ):
+            ), updates.overwriting_all(family.optimizer):
                 update.apply(values, divisor)
 
         inputs = [values] if update.divisor is None else [values, update.divisor]

@@ -89,7 +89,10 @@ def masked_update(
         skipping = contextlib.nullcontext()
         if per_variable is not None:
             skipping = skipping_each(*per_variable, keep_new, conditions)
-        with masking_writes(state, keep_new, conditions), skipping:
+        overwriting = contextlib.nullcontext()
+        if conditions and per_variable is not None:
+            overwriting = overwriting_all(per_variable[0])
+        with masking_writes(state, keep_new, conditions), skipping, overwriting:
             update()
     else:
         snapshot_update(strategy, keep_new, state, update)
@@ -212,14 +215,17 @@ class _WriteMask(_Mask):
     every in-between step, which TensorFlow does by copying it.
     """
 
-    def __init__(self, variable: tf.Variable, keep_new: tf.Tensor):
+    def __init__(self, variable: tf.Variable, keep_new: tf.Tensor, base: tf.Tensor | None = None):
         super().__init__()
 
         def masked_write(write: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
             def run() -> None:
                 write(*args, **kwargs)
 
-            tf.cond(keep_new, run, nothing)
+            # Overwriting with the moving averages, Keras writes every
+            # variable, gradient or not: only the update's own condition.
+            keep = base if base is not None and _OVERWRITING[0] > 0 else keep_new
+            tf.cond(keep, run, nothing)
             return variable
 
         self._patches = [
@@ -304,9 +310,45 @@ def masking_writes(
 
     def mask(v: tf.Variable) -> _WriteMask:
         condition = conditions.get(id(v))
-        return _WriteMask(v, keep_new if condition is None else tf.logical_and(keep_new, condition))
+        if condition is None:
+            return _WriteMask(v, keep_new)
+        return _WriteMask(v, tf.logical_and(keep_new, condition), base=keep_new)
 
     return _shared(_leaf_variables(variables), mask)
+
+
+# How many calls are overwriting the model's variables with their moving
+# averages (`ema_overwrite_frequency`) now. A count, not a thread-local flag:
+# under a strategy the writes run in a merge call's thread, while each
+# replica's thread waits inside the call.
+_OVERWRITING = [0]
+
+
+@contextlib.contextmanager
+def overwriting_all(optimizer: Any) -> Iterator[None]:
+    """Within the block, the optimizer's overwrite of the model variables
+    with their moving averages is held back by the update's condition only,
+    not by a variable's own: as in the large batch, Keras overwrites every
+    variable, whether it received a gradient or not."""
+    name = "_overwrite_model_variables_with_average_value"
+    if not hasattr(optimizer, name):
+        yield
+        return
+
+    def flagged(method: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        with _MASKS_LOCK:
+            _OVERWRITING[0] += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            with _MASKS_LOCK:
+                _OVERWRITING[0] -= 1
+
+    patch = _patches.Patch(optimizer, name, flagged)
+    try:
+        yield
+    finally:
+        patch.remove()
 
 
 def skipping_each(
