@@ -111,7 +111,7 @@ def test_ema_overwrite_reaches_a_variable_without_gradients(mode):
         if accumulating:
             opt = accumulate(opt, 2, mode=mode)
         opt.build(variables)
-        grads = [[np.full(v.shape, 0.1 * (s + 1), "float32") for v in variables] for s in range(4)]
+        grads = [[keras.ops.full(v.shape, 0.1 * (s + 1), "float32") for v in variables] for s in range(4)]
         for s in (2, 3):
             grads[s][2] = None  # the table has no gradient in the second cycle
         if accumulating:
