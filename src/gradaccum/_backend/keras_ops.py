@@ -2,18 +2,14 @@
 
 On JAX, `model.fit` and `optimizer.stateless_apply` run the optimizer inside
 a `StatelessScope`, usually traced by `jax.jit`: a variable's write is
-recorded by the scope, a branch on a traced value must be a `jax.lax.cond`
-of pure functions, and the state must be among the optimizer's `variables`
-to travel from step to step. PyTorch (`gradaccum._backend.torch`) runs
-eagerly and writes in place.
-
-Neither has `tf.distribute`: there is one replica, and the update holds no
-communication (JAX's compiled step averages the gradients over devices
-before the optimizer runs), so `mode` changes nothing here: the update runs
-only on the step that ends a cycle, in both modes. Under a JAX
-`keras.distribution` the accumulators may be device-local instead
+recorded by the scope, a branch on a traced value is a `jax.lax.cond` of pure
+functions, and the state must be among the optimizer's `variables` to travel
+from step to step. PyTorch (`gradaccum._backend.pytorch`) runs eagerly and
+writes in place. Neither has `tf.distribute`, so `mode` changes nothing
+here: the update runs only on the step that ends a cycle. Under a JAX
+`keras.distribution` the accumulators may be device-local
 (`gradaccum._backend.device_local`): each device adds its own gradients, and
-the update sums the devices' entries, the one all-reduce of the cycle.
+the update sums the devices' entries, the cycle's one all-reduce.
 """
 
 from __future__ import annotations
