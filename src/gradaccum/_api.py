@@ -110,15 +110,17 @@ def accumulate(
             from each cycle's micro-gradients (default False). Read it as
             `opt.noise_scale`, in the units of the micro-batch weight
             (samples for `fit`'s mean losses, tokens for a masked loss
-            weighed by its count, micro-batches where unweighted); see the
-            README. Needs `reduction="mean"` and `sparse="rows"`.
+            weighed by its count, micro-batches where unweighted); see
+            docs/guides/noise-scale.md. Needs `reduction="mean"`; not with
+            `sparse="slices"`. On TensorFlow a variable whose slices are
+            kept (`sparse="auto"`) is left out of it, with a warning.
         noise_decay: The decay of the exponential moving averages of the
             estimates of |G|² and tr(Σ), a number in [0, 1) (default 0.9:
             about the last ten cycles; 0: the latest cycle only).
         accumulator_dtype: `"float32"` (default; float64 for float64
             variables) or `"bfloat16"`: bfloat16 accumulators with
             compensated (Kahan) summation, for bfloat16 models (see
-            docs/accumulator-dtype.md for its memory and error).
+            docs/guides/accumulator-dtype.md for its memory and error).
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,

@@ -12,7 +12,7 @@ bfloat16 in turn). Each micro-step computes, in float32,
 so a rounding error is carried into the next addition instead of being
 lost, as in Kahan's summation: the sum keeps about 16 significant bits
 where a bfloat16 sum keeps 8, whatever `n`. The two bfloat16 buffers take
-the memory of one float32 accumulator (docs/accumulator-dtype.md measures
+the memory of one float32 accumulator (docs/guides/accumulator-dtype.md measures
 both). Written once with Keras ops and the backend's `read`/`assign`, for
 every backend.
 """
