@@ -323,3 +323,43 @@ def test_loss_scaling_is_divided_out_first(order):
     assert got.noise_cycles == expected.noise_cycles == 5
     for field in ("noise_scale", "gradient_sq", "gradient_trace", "noise_batch"):
         np.testing.assert_allclose(getattr(got, field), getattr(expected, field), rtol=1e-6, err_msg=field)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices are TensorFlow's")
+def test_a_sparse_micro_gradient_is_measured_by_its_dense_value():
+    """|g|² of a `tf.IndexedSlices` with repeated rows is that of the dense
+    gradient (rows summed first), not the sum of its slices' squares."""
+    import tensorflow as tf
+
+    from gradaccum._backend.tensorflow import tensors
+
+    slices = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), tf.constant([0, 2, 0]), [4, 2])
+    dense = tf.convert_to_tensor(slices)
+    assert float(tensors.squared_norm([slices])) == pytest.approx(float(tf.reduce_sum(dense**2)), rel=1e-6)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="kept tf.IndexedSlices are TensorFlow's")
+def test_kept_slices_are_left_out_of_the_estimate_with_a_warning():
+    """Under the default sparse="auto" an embedding's slices are kept apart
+    from its accumulator: the estimate leaves it out and says so, naming it;
+    with sparse="rows" it is measured and nothing is said."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, size=(64, 5)).astype("int32")
+    y = rng.normal(size=(64, 1)).astype("float32")
+
+    def train(sparse):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 3, name="words"),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        opt = accumulate(keras.optimizers.SGD(0.01), 4, noise_scale=True, sparse=sparse)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        return opt.noise_scale
+
+    with pytest.warns(RuntimeWarning, match="leaves out variable '.*words/embeddings'"):
+        assert isinstance(train("auto"), float)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert isinstance(train("rows"), float)
