@@ -3,7 +3,7 @@
 The task compiles itself in its constructor (keras-hub's default Adam(5e-5));
 `gradaccum.accumulating()` wraps that optimizer when `fit` trains it. Its
 segment embedding sees one row (segment 0) repeated over every token, the
-case `sparse="slices"` makes exact. Compared with the same task trained by
+case the default `sparse="auto"` keeps exact (and `"rows"` does not). Compared with the same task trained by
 the plain optimizer on the large batch, and resumed from a `.keras` file
 bit for bit.
 """
@@ -67,22 +67,22 @@ def test_task_fit_in_accumulating_block_equals_large_batch():
     reference = _reference()
     x, y = _data(B * N * CYCLES)
     task = _task()
-    with gradaccum.accumulating(N, sparse="slices"):
+    with gradaccum.accumulating(N):
         task.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     assert isinstance(task.optimizer, AccumulatingOptimizer)
-    assert task.optimizer.n == N and task.optimizer.sparse == "slices"
+    assert task.optimizer.n == N and task.optimizer.sparse == "auto"
     state = full_state(task, task.optimizer)
     assert int(state["iterations"]) == CYCLES
     assert_states_close(reference, state)
 
 
-def test_rows_default_differs_on_the_segment_embedding():
-    """What the README says of `sparse="rows"`: a row repeated within a cycle
+def test_rows_differs_on_the_segment_embedding():
+    """Why the default is not `sparse="rows"`: a row repeated within a cycle
     gets another second moment under Adam than on the large batch."""
     reference = _reference()
     x, y = _data(B * N * CYCLES)
     task = _task()
-    with gradaccum.accumulating(N):
+    with gradaccum.accumulating(N, sparse="rows"):
         task.fit(x, y, batch_size=B, shuffle=False, verbose=0)
     state = full_state(task, task.optimizer)
     key = "model/segment_embedding/embeddings"
@@ -107,7 +107,7 @@ def test_saved_mid_cycle_reloaded_and_fit_again_is_bit_identical(tmp_path):
     half = B * N * CYCLES // 2
 
     def accumulating_optimizer():
-        return accumulate(keras.optimizers.Adam(5e-5), N, sparse="slices")
+        return accumulate(keras.optimizers.Adam(5e-5), N)
 
     whole = _task()
     whole.compile(optimizer=accumulating_optimizer())
