@@ -15,103 +15,32 @@ the single-device fit reference as soon as Keras runs it.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 
-import gradaccum
 from tests.helpers import assert_states_close, fit, full_state, make_mlp
 from tests.helpers import mwms_worker as worker
 from tests.helpers.distribute import check_micro_steps, custom_loop
+from tests.helpers.processes import free_loopback_ports, process_env, run_processes
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # Both workers import TensorFlow (~7 s each on a loaded machine), connect,
 # and trace two small training functions; normally ~30 s in all.
 DEADLINE_S = 240
-PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")
-
-
-def _free_loopback_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def _worker_env(cluster: dict, index: int) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k.lower() not in PROXY_VARIABLES and k != "TF_CONFIG"
-    }
-    # The workers import the same gradaccum and tests package as this process.
-    src = str(Path(gradaccum.__file__).resolve().parent.parent)
-    paths = [src, str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p]
-    env.update(
-        PYTHONPATH=os.pathsep.join(paths),
-        TF_CONFIG=json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}
-        ),
-        TF_CPP_MIN_LOG_LEVEL="3",
-        CUDA_VISIBLE_DEVICES="",  # one CPU replica per worker
-        NO_PROXY="127.0.0.1,localhost",
-        no_proxy="127.0.0.1,localhost",
-    )
-    return env
 
 
 def _run_workers(tmp_path: Path) -> list[dict[str, np.ndarray]]:
-    ports = _free_loopback_ports(2)
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    outputs = [tmp_path / f"worker{i}.npz" for i in range(2)]
-    logs = [tmp_path / f"worker{i}.log" for i in range(2)]
-    procs = []
-    try:
-        for i in range(2):
-            with open(logs[i], "wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "tests.helpers.mwms_worker", str(outputs[i])],
-                        cwd=REPO_ROOT,
-                        env=_worker_env(cluster, i),
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        deadline = time.monotonic() + DEADLINE_S
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=30)
-    codes = [p.returncode for p in procs]
-    if codes != [0, 0]:
-        tails = "\n".join(
-            f"--- worker {i} (exit {codes[i]}):\n"
-            + logs[i].read_text(errors="replace")[-3000:]
-            for i in range(2)
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in free_loopback_ports(2)]}
+
+    def env(index: int) -> dict[str, str]:
+        return process_env(
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+            TF_CPP_MIN_LOG_LEVEL="3",
+            CUDA_VISIBLE_DEVICES="",  # one CPU replica per worker
         )
-        raise AssertionError(
-            f"workers failed or ran past {DEADLINE_S} s (killed):\n{tails}"
-        )
-    return [dict(np.load(path)) for path in outputs]
+
+    return run_processes("tests.helpers.mwms_worker", lambda i, output: [str(output)], env, tmp_path, DEADLINE_S)
 
 
 def _snapshots(result: dict[str, np.ndarray], mode: str):
