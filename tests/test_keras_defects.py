@@ -22,7 +22,6 @@ import tensorflow as tf
 from gradaccum import AccumulatingOptimizer, accumulate
 from tests.helpers import (
     ATOL,
-    MODES,
     RTOL,
     assert_states_close,
     assert_states_equal,
@@ -31,99 +30,27 @@ from tests.helpers import (
     full_state,
     gradients,
     make_data,
+    make_float8_model,
     make_mlp,
     model_state,
+    without_keras_accumulation,
 )
 from tests.helpers.distribute import mirrored
 
 B = 4  # micro-batch size
 
 
-def _comparable(state):
-    """Drops what Keras's own `gradient_accumulation_steps` keeps differently:
-    its accumulators, and its step variable, which counts micro-steps (its
-    `iterations`, compared as `"iterations"`, counts updates)."""
-    return {
-        k: v
-        for k, v in state.items()
-        if "gradient_accumulator" not in k and k != "opt/iteration"
-    }
-
-
 # ----------------------------------------------------------------------
-# `overwrite_with_gradient` variables: the cycle's maximum, on the apply step.
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_overwrite_with_gradient_takes_cycle_maximum_as_keras_does(mode):
-    # Keras's `test_overwrite_with_gradient_with_gradient_accumulation`, with
-    # values whose maximum differs from both their mean and the last value.
-    grads = [
-        np.array([[1.0, 4.0], [2.0, 0.0]], "float32"),
-        np.array([[3.0, 1.0], [2.0, 5.0]], "float32"),
-        np.array([[0.5, 0.5], [0.5, 0.5]], "float32"),
-        np.array([[2.0, 2.0], [6.0, 1.0]], "float32"),
-    ]
-
-    def variables():
-        v = keras.Variable([[1.0, 2.0], [3.0, 4.0]], name="overwritten")
-        v.overwrite_with_gradient = True
-        return v, keras.Variable([[1.0, 2.0], [3.0, 4.0]], name="trained")
-
-    reference = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2)
-    ref_v, ref_v2 = variables()
-    opt = accumulate(keras.optimizers.SGD(1.0), 2, mode=mode)
-    v, v2 = variables()
-    for k, g in enumerate(grads):
-        reference.apply_gradients([(g, ref_v), (g, ref_v2)])
-        opt.apply_gradients([(g, v), (g, v2)])
-        np.testing.assert_allclose(v.numpy(), ref_v.numpy(), rtol=RTOL, atol=ATOL, err_msg=k)
-        np.testing.assert_allclose(v2.numpy(), ref_v2.numpy(), rtol=RTOL, atol=ATOL, err_msg=k)
-        assert int(opt.iterations) == int(reference.iterations)
-    # The cycle maxima, not the means (1.5 where Keras has 2 in its test).
-    np.testing.assert_array_equal(v.numpy(), [[2.0, 2.0], [6.0, 1.0]])
+# A float8 model saved as `.keras` loads again, and resumes mid-cycle (its
+# cycle maxima in fit: tests/backends/test_overwrite_with_gradient.py).
 
 
 F8_N, F8_CYCLES = 4, 3
 F8_X, F8_Y = make_data(B * F8_N * F8_CYCLES, in_dim=8, out_dim=4)
 
 
-def _float8_model():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(16, name="f8"), keras.layers.Dense(4, name="out")],
-        name="float8",
-    )
-    model.layers[0].quantize("float8")
-    return model
-
-
 def _fit_float8(optimizer, batch_size, x=F8_X, y=F8_Y):
-    return fit(_float8_model(), optimizer, x, y, batch_size)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_float8_dense_matches_keras_accumulation(mode):
-    reference_opt = keras.optimizers.Adam(1e-2, gradient_accumulation_steps=F8_N)
-    reference = _fit_float8(reference_opt, B)
-    opt = accumulate(keras.optimizers.Adam(1e-2), F8_N, mode=mode)
-    model = _fit_float8(opt, B)
-    assert int(opt.iterations) == F8_CYCLES
-    assert_states_close(
-        _comparable(full_state(reference, reference_opt)), _comparable(full_state(model, opt))
-    )
-    # The inputs' scale and amax history depend on the inputs alone: the
-    # cycle's maxima are what the large batch records.
-    large = _fit_float8(keras.optimizers.Adam(1e-2), B * F8_N)
-    for name in ("model/f8/inputs_scale", "model/f8/inputs_amax_history"):
-        np.testing.assert_allclose(
-            model_state(model)[name], model_state(large)[name],
-            rtol=RTOL, atol=ATOL, err_msg=name,
-        )
-
-
-# ----------------------------------------------------------------------
-# A float8 model saved as `.keras` loads again, and resumes mid-cycle.
+    return fit(make_float8_model(), optimizer, x, y, batch_size)
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -145,7 +72,8 @@ def test_float8_keras_file_loads_and_resumes(tmp_path, n):
     assert int(opt.micro_step) == stop % n
     restored.fit(F8_X[stop * B :], F8_Y[stop * B :], batch_size=B, shuffle=False, verbose=0)
     assert_states_close(
-        _comparable(full_state(reference, reference_opt)), _comparable(full_state(restored, opt))
+        without_keras_accumulation(full_state(reference, reference_opt)),
+        without_keras_accumulation(full_state(restored, opt)),
     )
 
 

@@ -17,6 +17,7 @@ from tests.helpers.models import (
     library_of,
     make_data,
     make_embedding_model,
+    make_float8_model,
     make_mlp,
 )
 from tests.helpers.optimizers import OPTIMIZERS, shipped_optimizers
@@ -33,6 +34,7 @@ from tests.helpers.state import (
     optimizer_variables,
     rounding_floor,
     values,
+    without_keras_accumulation,
 )
 from tests.helpers.tolerances import ATOL, FLOOR_FACTOR, RTOL
 from tests.helpers.training import (
@@ -78,6 +80,7 @@ __all__ = [
     "library_of",
     "make_data",
     "make_embedding_model",
+    "make_float8_model",
     "make_mlp",
     "max_difference",
     "model_state",
@@ -89,4 +92,5 @@ __all__ = [
     "split",
     "train_steps",
     "values",
+    "without_keras_accumulation",
 ]

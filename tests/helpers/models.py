@@ -67,6 +67,18 @@ def make_mlp(
     return lib.Sequential(layers, name="mlp")
 
 
+def make_float8_model() -> Any:
+    """A Keras 3 model whose Dense `f8` is quantized to float8 (its scales
+    and amax histories have `overwrite_with_gradient`), 8 inputs, 4 outputs."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, name="f8"), keras.layers.Dense(4, name="out")],
+        name="float8",
+    )
+    model.layers[0].quantize("float8")
+    return model
+
+
 def make_embedding_model(vocab: int = 20, dim: int = 4, seed: int = 0, lib: Any = None) -> Any:
     """Embedding `emb` (3 ids per sample), flattened, and Dense `out` (2)."""
     lib = lib or default_library()

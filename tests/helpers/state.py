@@ -221,3 +221,11 @@ def assert_same(a: Sequence[np.ndarray], b: Sequence[np.ndarray]) -> None:
 def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray], prefix: str = "") -> float:
     """The largest absolute difference over the entries whose key starts with `prefix`."""
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a if k.startswith(prefix))
+
+
+def without_keras_accumulation(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` without what Keras's own `gradient_accumulation_steps` keeps
+    differently: its accumulators, and its step variable, which counts
+    micro-steps (its `iterations`, compared as `"iterations"`, counts
+    updates)."""
+    return {k: v for k, v in state.items() if "gradient_accumulator" not in k and k != "opt/iteration"}
