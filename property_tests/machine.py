@@ -268,8 +268,7 @@ class MachineBase(RuleBasedStateMachine):
     def _subject(self):
         """(top-level optimizer, the Keras optimizer inside) for the config."""
         inner = self.spec.make()
-        # The model adds sparse gradients into rows (`_Model.add`).
-        kwargs = {"reduction": self.reduction, "mode": self.update, "sparse": "rows"}
+        kwargs = self._accumulate_kwargs()
         if self.wrap == "none":
             top = accumulate(inner, self.n, **kwargs)
         elif self.wrap == "accumulate_lso":
@@ -282,6 +281,11 @@ class MachineBase(RuleBasedStateMachine):
             )
         self._build(top, self.vars)
         return top, inner
+
+    def _accumulate_kwargs(self) -> dict[str, Any]:
+        """`accumulate`'s arguments besides the optimizer and `n`."""
+        # The model adds sparse gradients into rows (`_Model.add`).
+        return {"reduction": self.reduction, "mode": self.update, "sparse": "rows"}
 
     def _start(self, spec, n, reduction, wrap, scale_exponent, growth, update="masked"):
         self.spec, self.reduction, self.wrap, self.update = spec, reduction, wrap, update

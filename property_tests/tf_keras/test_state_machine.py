@@ -45,7 +45,7 @@ class TfKerasAccumulationMachine(MachineBase):
         # optimizer refuses the others later; an OptimizerV2 adds them, see
         # tests/tf_keras/test_mixed_precision.py).
         inner = self.spec.make()
-        core = accumulate(inner, self.n, reduction=self.reduction, mode=self.update)
+        core = accumulate(inner, self.n, **self._accumulate_kwargs())
         core.build(self.vars)
         top = self._make_lso(core, self.initial_scale, self.growth)
         self._build(top, self.vars)

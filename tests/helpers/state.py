@@ -53,6 +53,14 @@ def _put(named: list[tuple[str, Any]], seen: set[str], key: str, variable: Any) 
     named.append((unique, variable))
 
 
+def _variable_types() -> tuple[type, ...]:
+    if keras.backend.backend() != "tensorflow":
+        return (keras.Variable,)
+    import tensorflow as tf
+
+    return (keras.Variable, tf.Variable)
+
+
 def optimizer_variables(optimizer: Any) -> list[Any]:
     """`optimizer.variables`, and the variables its (inner) optimizers hold.
 
@@ -60,8 +68,11 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
     variable tracking off, so variables an optimizer's `build` creates
     directly (Nadam's `_u_product`, Adafactor's placeholders) are missing
     from `variables` there; they are optimizer state all the same.
-    (`variables` is a method on tf_keras's OptimizerV2.)
+    (`variables` is a method on tf_keras's OptimizerV2.) tf_keras's
+    optimizers hold such variables as plain `tf.Variable`s (its Nadam's
+    `_u_product`, which its checkpoints save).
     """
+    kinds = _variable_types()
     variables = optimizer.variables
     found = list(variables() if callable(variables) else variables)
     known = {id(v) for v in found}
@@ -77,7 +88,7 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
             for item in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(item, keras.optimizers.Optimizer):
                     pending.append(item)
-                elif isinstance(item, keras.Variable) and id(item) not in known:
+                elif isinstance(item, kinds) and id(item) not in known:
                     known.add(id(item))
                     found.append(item)
     return found
