@@ -29,8 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -42,12 +42,12 @@ import numpy as np  # noqa: E402
 
 from gradaccum import accumulate  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.helpers.hlo import all_reduces  # noqa: E402
+
 N = 4
 B = 16
 VARIANTS = ("plain", "keras", "gradaccum_masked", "gradaccum_skip")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_ARRAY = re.compile(r"\b([a-z]+)(\d*)\[([\d,]*)\]")
-_BYTES = {"f": 4, "s": 4, "u": 4, "pred": 1, "bf": 2}
 
 
 def make_model() -> keras.Model:
@@ -66,38 +66,6 @@ def make_optimizer(variant: str):
     if variant == "keras":
         return keras.optimizers.Adam(1e-3, gradient_accumulation_steps=N)
     return accumulate(keras.optimizers.Adam(1e-3), N, mode=variant.rsplit("_", 1)[1])
-
-
-def _array_bytes(kind: str, bits: str, dims: str) -> int:
-    size = int(np.prod([int(d) for d in dims.split(",") if d]))
-    return size * (int(bits) // 8 if bits else _BYTES.get(kind, 4))
-
-
-def all_reduces(hlo: str) -> dict[str, list[int]]:
-    """The bytes of each all-reduce of an optimized HLO module, outside and
-    inside conditional branches."""
-    computations: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        found = _COMPUTATION.match(line)
-        if found:
-            name = found.group(1)
-            computations[name] = []
-        elif name is not None:
-            computations[name].append(line)
-    branches = set()
-    for lines in computations.values():
-        for line in lines:
-            for names in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                branches.update(n.strip().lstrip("%") for n in names.split(","))
-    found: dict[str, list[int]] = {"outside": [], "inside": []}
-    for name, lines in computations.items():
-        for line in lines:
-            if " all-reduce(" in line:
-                result = line.split("=", 1)[1].split("all-reduce(")[0]
-                size = sum(_array_bytes(*a) for a in _ARRAY.findall(result))
-                found["inside" if name in branches else "outside"].append(size)
-    return found
 
 
 class Run:
@@ -158,7 +126,7 @@ def main() -> None:
     figures = {}
     plain_cycle = None
     for v in VARIANTS:
-        reduces = all_reduces(runs[v].hlo)
+        reduces = {k: [a.bytes for a in found] for k, found in all_reduces(runs[v].hlo).items()}
         per_cycle = N * sum(reduces["outside"]) + sum(reduces["inside"])
         plain_cycle = plain_cycle or per_cycle
         figures[v] = {

@@ -10,7 +10,6 @@ weights, on the same data in the same order.
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 
 import keras
@@ -19,6 +18,7 @@ import pytest
 
 from gradaccum import accumulate
 from tests.helpers import BACKEND, MODES, assert_states_close, fit, full_state, gradients, make_data, make_mlp
+from tests.helpers.hlo import all_reduces
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution's data parallelism runs on JAX")
 
@@ -51,36 +51,11 @@ def _per_device():
 # ----------------------------------------------------------------------
 # The compiled program.
 
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) .*\{$")
-_ARRAY = re.compile(r"\b[a-z]+\d*\[([\d,]*)\]")
-
-
 def _all_reduces(hlo: str) -> tuple[list[int], list[int]]:
     """The element counts of the all-reduces of an optimized HLO module:
     `(outside conditional branches, inside them)`."""
-    computations: dict[str, list[str]] = {}
-    name = None
-    for line in hlo.splitlines():
-        found = _COMPUTATION.match(line)
-        if found:
-            name = found.group(1)
-            computations[name] = []
-        elif name is not None:
-            computations[name].append(line)
-    branches = set()
-    for lines in computations.values():
-        for line in lines:
-            for names in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                branches.update(n.strip().lstrip("%") for n in names.split(","))
-    outside, inside = [], []
-    for name, lines in computations.items():
-        for line in lines:
-            if " all-reduce(" not in line:
-                continue
-            result = line.split("=", 1)[1].split("all-reduce(")[0]
-            elements = sum(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in _ARRAY.findall(result))
-            (inside if name in branches else outside).append(elements)
-    return outside, inside
+    found = all_reduces(hlo)
+    return [a.elements for a in found["outside"]], [a.elements for a in found["inside"]]
 
 
 def _optimized_train_step(model, x, y) -> str:
