@@ -385,10 +385,10 @@ def make_plain(case: Case) -> Any:
     return LSO(opt) if case.loss_scale else opt
 
 
-def make_subject(case: Case) -> Any:
+def make_subject(case: Case, sparse: str = "auto") -> Any:
     """The accumulating optimizer for the case (see `Case.loss_scale`)."""
     inner = case.optimizer.make()
-    kwargs = {"reduction": case.reduction, "mode": case.update}
+    kwargs = {"reduction": case.reduction, "mode": case.update, "sparse": sparse}
     if case.loss_scale == "accumulate_lso":
         return accumulate(LSO(inner), case.n, **kwargs)
     if case.loss_scale == "lso_accumulate":
@@ -402,7 +402,7 @@ def _checkpoint(model: keras.Model, opt: Any, directory: str) -> str:
     )
 
 
-def run_subject(case: Case, resume_at: int | None = None):
+def run_subject(case: Case, resume_at: int | None = None, sparse: str = "auto"):
     """Trains the accumulating optimizer on micro-batches; checks each step.
 
     After every micro-step: `micro_step` and `iterations` count micro-batches
@@ -416,13 +416,14 @@ def run_subject(case: Case, resume_at: int | None = None):
             optimizer are written to a `tf.train.Checkpoint`, restored into
             a second model and a freshly made optimizer, and training goes on
             with those (and a newly traced step).
+        sparse: `accumulate`'s `sparse`.
 
     Returns:
         `(state, model, optimizer)` after `case.micro_steps` micro-steps.
     """
     xs, ys = case.data()
     model = model_for(case.model)
-    opt = make_subject(case)
+    opt = make_subject(case, sparse)
     if case.build_first:
         opt.build(model.trainable_variables)
     step = micro_step_fn(model, opt, case.mode)
@@ -432,7 +433,7 @@ def run_subject(case: Case, resume_at: int | None = None):
             if i == resume_at:
                 path = _checkpoint(model, opt, directory)
                 model = model_for(case.model, copy=1)
-                opt = make_subject(case)
+                opt = make_subject(case, sparse)
                 if case.build_first:
                     opt.build(model.trainable_variables)
                 status = tf.train.Checkpoint(model=model, optimizer=opt).read(path)
