@@ -156,13 +156,44 @@ def squared_norm(values: Sequence[Any]) -> tf.Tensor:
     parts = []
     for v in values:
         if isinstance(v, tf.IndexedSlices):
-            unique, positions = tf.unique(v.indices)
-            v = tf.math.unsorted_segment_sum(v.values, positions, tf.shape(unique)[0])
+            v = _rows_summed(v)
         v = v.value() if isinstance(v, tf.Variable) else v
-        # `l2_loss` (sum of squares / 2) is one pass over memory; a square,
-        # then a sum, writes and reads a temporary as large as the gradient.
-        parts.append(tf.nn.l2_loss(tf.cast(v, tf.float32)))
-    return 2.0 * tf.add_n(parts) if parts else tf.constant(0.0)
+        parts.append(_sum_of_squares(tf.cast(v, tf.float32)))
+    return tf.add_n(parts) if parts else tf.constant(0.0)
+
+
+def _rows_summed(slices: tf.IndexedSlices) -> tf.Tensor:
+    """The slices' values with the slices of one row summed into one (rows
+    in index order, then zero rows up to the slices' count).
+
+    By sorting, not `tf.unique`, so that every shape is the slices' own and
+    XLA compiles it.
+    """
+    order = tf.argsort(slices.indices, stable=True)
+    indices = tf.gather(slices.indices, order)
+    previous = tf.concat([tf.fill([1], tf.constant(-1, indices.dtype)), indices[:-1]], 0)
+    segments = tf.cumsum(tf.cast(tf.not_equal(indices, previous), tf.int32)) - 1
+    count = tf.shape(slices.indices)[0]
+    return tf.math.unsorted_segment_sum(tf.gather(slices.values, order), segments, count)
+
+
+def _sum_of_squares(value: tf.Tensor) -> tf.Tensor:
+    """The sum of squares of a float32 tensor's elements.
+
+    As the row sums of its squares, in matrix form, times a vector of ones:
+    XLA on the CPU runs a full reduction as a slow serial loop, and a
+    matrix-vector product as a vectorised library call (measured on four
+    Dense kernels of 0.8M elements: 0.95 ms as a reduction, 0.09 ms as a
+    product, over the same step without either; without XLA, the two
+    within 0.1 ms).
+    """
+    if value.shape.rank == 0:
+        return tf.square(value)
+    if value.shape.num_elements() == 0:
+        return tf.constant(0.0)
+    width = value.shape[-1] if value.shape[-1] is not None else tf.shape(value)[-1]
+    squares = tf.square(tf.reshape(value, [-1, width]))
+    return tf.reduce_sum(tf.linalg.matvec(squares, tf.ones([width], tf.float32)))
 
 
 def any_nonzero(values: Sequence[Any]) -> tf.Tensor:
