@@ -250,14 +250,13 @@ class Core:
             if not isinstance(weight, float):
                 weight = ops.cast(weight, "float32")
         given = set()
-        measured = []  # the gradients whose norm the noise scale takes
+        measured = []  # the gradients whose norm the noise scale takes: not a maximum's
         dense: tuple[list[Any], list[Any]] = ([], [])
         compensated: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
         for g, i in zip(grads, indices):
             if g is None:
                 continue
             accumulator = state.accumulators[i]
-            unmeasured = state.keeps_maximum(i)
             if state.keeps_maximum(i):
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
@@ -265,10 +264,6 @@ class Core:
             elif backend.is_slices(g) and self.settings.sparse != "rows":
                 kept = state.kept_for(i, self.settings.sparse == "slices")
                 backend.keep_slices(kept, g, weight, first)
-                if not getattr(kept, "rows_only", False):
-                    # Its accumulator stays empty: the noise scale, which
-                    # reads the accumulators, leaves it out.
-                    unmeasured = True
             elif state.compensated(i):
                 compensated[0].append(accumulator)
                 compensated[1].append(state.compensations[i])
@@ -285,10 +280,8 @@ class Core:
                     )
                 dense[0].append(accumulator)
                 dense[1].append(g)
-            if not unmeasured:
+            if not state.keeps_maximum(i):
                 measured.append(g)
-            elif state.noise is not None and not state.keeps_maximum(i):
-                state.noise.leave_out(variable_name(state.variables[i]))
             given.add(i)
             state.participants.add(i)
         backend.add_into(*dense, weight, first)

@@ -82,10 +82,7 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
     if state.noise is not None:
 
         def sums() -> list[Any]:
-            return [
-                _compensated.held(backend, a, state.compensations[i]) if state.compensated(i) else backend.read(a)
-                for i, a in enumerate(state.accumulators) if not state.keeps_maximum(i)
-            ]
+            return [_held(backend, state, i) for i in range(len(state.accumulators)) if not state.keeps_maximum(i)]
 
         state.noise.measure(ends, steps, sums, state.weight_total)
     backend.finish(update, core.settings.mode)
@@ -93,6 +90,18 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
         # A step traced before an accumulator was added cannot zero it on
         # a cycle's first micro-step; the end of a cycle does instead.
         backend.zero_if(ends, accumulators)
+
+
+def _held(backend: Any, state: Any, i: int) -> Any:
+    """What variable `i`'s cycle has summed so far, on this replica: its
+    accumulator, or its kept slices (whose accumulator stays empty)."""
+    if i in state.kept:
+        slices = backend.kept_local(state.kept[i])
+        if slices is not None:
+            return slices
+    if state.compensated(i):
+        return _compensated.held(backend, state.accumulators[i], state.compensations[i])
+    return backend.read(state.accumulators[i])
 
 
 def deliver(core: Any, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:

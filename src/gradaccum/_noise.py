@@ -35,7 +35,6 @@ mean micro-batch weight (their sum is the global micro-batch's).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,26 +73,10 @@ class Noise:
         self.batch = made["batch"]
         # With a `schedule`, the next cycle's `n` (0 until one is measured).
         self.next_n = made["next_n"]
-        self._left_out: set[str] = set()
 
     def variables(self) -> list[Any]:
         """The state's variables, in the order of `NAMES`."""
         return [self.square_sum, self.gradient_sq, self.trace, self.norm, self.cycles, self.batch, self.next_n]
-
-    def leave_out(self, name: str) -> None:
-        """Warns once per variable that its kept `tf.IndexedSlices` (which
-        its accumulator does not hold) are left out of the estimate."""
-        if name in self._left_out:
-            return
-        self._left_out.add(name)
-        warnings.warn(
-            f"gradaccum: the noise scale leaves out variable {name!r}, whose tf.IndexedSlices "
-            "gradients are kept as slices (sparse=\"auto\" or \"slices\"): it is measured over "
-            "the other variables. Pass sparse=\"rows\" to measure it too (its update is then exact "
-            "only for optimizers linear in the gradient).",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
     def add(self, grads: Sequence[Any], weight: Any, first: Any) -> None:
         """Adds `weight * |g|²` of one micro-step's gradients `grads` to S

@@ -81,11 +81,6 @@ class Settings:
                 f"accumulator_dtype={self.accumulator_dtype!r} sums dense gradients with compensation; "
                 f"sparse={self.sparse!r} keeps slices instead. Use sparse=\"rows\" or accumulator_dtype=\"float32\"."
             )
-        if self.noise_scale and self.sparse == "slices":
-            raise ValueError(
-                "noise_scale=True reads the cycle's sums from the accumulators, which "
-                f"sparse=\"slices\" leaves empty; use sparse=\"rows\". Received: sparse={self.sparse!r}."
-            )
 
     def replace(self, **changes: Any) -> Settings:
         """These settings with `changes` (checked)."""

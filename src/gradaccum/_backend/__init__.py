@@ -270,7 +270,7 @@ class Backend(Protocol):
 
     # Sparse gradients: only TensorFlow has them (`tf.IndexedSlices`); the
     # other hooks of kept slices (`scatter_into`, `new_kept`, `keep_slices`,
-    # `kept_slices`, `kept_counters`) are TensorFlow's alone.
+    # `kept_slices`, `kept_local`, `kept_counters`) are TensorFlow's alone.
 
     def is_slices(self, grad: Any) -> bool:
         """Whether `grad` is a sparse gradient."""

@@ -266,6 +266,9 @@ class TensorFlowBackend:
     def kept_slices(self, kept: Kept, divisor: Any) -> Any:
         return kept.read(divisor)
 
+    def kept_local(self, kept: Kept) -> Any:
+        return kept.read(None, local=True)
+
     def kept_counters(self, kept: Kept) -> list[Any]:
         return kept.counters()
 

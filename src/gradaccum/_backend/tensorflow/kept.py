@@ -202,13 +202,15 @@ class Kept:
     # ------------------------------------------------------------------
     # The update.
 
-    def read(self, divisor: Any) -> tf.IndexedSlices | None:
+    def read(self, divisor: Any, local: bool = False) -> tf.IndexedSlices | None:
         """The cycle's slices for the optimizer, divided by `divisor` (None:
-        undivided); None where they were added into rows."""
+        undivided); None where they were added into rows. `local`: this
+        replica's own slices, as its accumulator would hold them (no
+        communication)."""
         if self.rows_only:
             return None
         values, indices = [], []
-        replicas = distribution.replicas_in_sync()
+        replicas = 1 if local else distribution.replicas_in_sync()
         for kind in (FIXED, GROWS):
             if kind not in self.parts:
                 continue
