@@ -6,9 +6,18 @@ state reports is the global micro-batch's.
 """
 
 import keras
+import pytest
 
 from gradaccum import accumulate
-from tests.backends.test_noise_scale import ANALYTIC, _measured, _regression, _within
+from tests.backends.test_noise_scale import (
+    ANALYTIC,
+    _measured,
+    _regression,
+    _within,
+    assert_same_estimates,
+    embedding_noise,
+)
+from tests.helpers import MODES
 from tests.helpers.distribute import mirrored
 
 
@@ -27,16 +36,47 @@ def test_two_replicas_measure_the_analytic_noise_scale_of_linear_regression():
     _within(_measured(state), ANALYTIC, 0.10)
 
 
-def test_n_from_the_noise_scale_is_refused_on_several_replicas():
-    """Each replica measures its own micro-batches: they would choose apart."""
-    import pytest
+def test_two_replicas_measure_kept_slices_as_their_rows_would_be():
+    """Each replica measures the slices it keeps itself (the first replica
+    alone hands the summed fixed ones to the optimizer)."""
+    assert_same_estimates(embedding_noise("auto", scope=mirrored().scope()),
+                          embedding_noise("rows", scope=mirrored().scope()))
 
+
+@pytest.mark.parametrize("update_mode", MODES)
+def test_two_replicas_choose_n_together_and_each_cycle_equals_its_large_batch(update_mode):
+    """`from_noise_scale` on two replicas: both choose the same `n` from
+    their estimates summed (else one would apply while the other adds, and
+    the update's all-reduce would not meet); every cycle equals one device
+    training the plain optimizer on that cycle's micro-batches joined."""
     from gradaccum.schedules import from_noise_scale
-    from tests.helpers import make_data, make_mlp
+    from tests.helpers import assert_states_close, full_state
 
-    x, y = make_data(32)
+    B = 8  # global micro-batch: 4 per replica
+    reference, x, y = _regression(B * 120)
+    ref_opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    reference.compile(optimizer=ref_opt, loss="mse")
     with mirrored().scope():
-        model = make_mlp()
-        model.compile(optimizer=accumulate(keras.optimizers.SGD(0.1), from_noise_scale(2, 8)), loss="mse")
-    with pytest.raises(ValueError, match="one replica only"):
-        model.fit(x, y, batch_size=8, verbose=0)
+        model, _, _ = _regression(B * 120)
+        opt = accumulate(keras.optimizers.SGD(0.01, momentum=0.9),
+                         from_noise_scale(min_n=2, max_n=16, hysteresis=0.2), noise_decay=0.5, mode=update_mode)
+        model.compile(optimizer=opt, loss="mse")
+    # `fit` hands each replica its half of a micro-batch (`train_on_batch`
+    # would hand both the whole one); a callback reads where each ends.
+    positions = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: positions.append(int(opt.micro_step))
+    )
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[callback])
+    sizes, start, steps = [], 0, 0
+    for k, position in enumerate(positions):
+        steps += 1
+        if position == 0:  # the cycle ended
+            sizes.append(steps)
+            reference.train_on_batch(x[start : (k + 1) * B], y[start : (k + 1) * B])
+            start, steps = (k + 1) * B, 0
+    assert sizes[:2] == [2, 2]
+    assert len(set(sizes)) > 1 and max(sizes) >= 3, sizes
+    assert opt.accumulation_state.n == sizes[-1] or int(opt.micro_step) > 0
+    assert abs(opt.accumulation_state.noise_batch - B) < 1e-3
+    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))

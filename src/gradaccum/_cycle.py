@@ -112,7 +112,10 @@ class Cycle:
         if adaptive is not None:
             if self._chosen is None:
                 return ops.convert_to_tensor(adaptive.min_n, dtype=dtype)
-            n = ops.cast(self._backend.read(self._chosen), dtype)
+            # Under several replicas, each holds 1/replicas of the choice
+            # (`gradaccum._noise`); one replica, or a read across them, all of it.
+            chosen = self._backend.read(self._chosen) * float(self._backend.replicas())
+            n = ops.cast(ops.round(chosen), dtype)
             return ops.maximum(n, ops.cast(adaptive.min_n, dtype))
         if self.schedule is not None:
             n = ops.cast(self.schedule(applied), dtype)

@@ -25,11 +25,13 @@ the plain mean of the cycles so far, later the moving average. The noise
 scale is their ratio B_simple = tr(Σ) / |G|², in the units of the weights.
 
 Under a `tf.distribute` strategy each replica measures its own micro-batches
-(nothing is communicated per micro-step): Keras's `fit` divides each
+(measuring communicates nothing): Keras's `fit` divides each
 replica's loss by the replica count R, so its gradients are scaled back by
 R. The state is replica-local, read as the sum over replicas: each replica
 keeps its estimates divided by R (their sum is the replicas' mean) and its
-mean micro-batch weight (their sum is the global micro-batch's).
+mean micro-batch weight (their sum is the global micro-batch's). An adaptive
+`n` is chosen from those sums, so that every replica chooses the same; each
+holds 1/R of it.
 """
 
 from __future__ import annotations
@@ -98,12 +100,6 @@ class Noise:
             condition = ops.logical_and(ends, ops.greater_equal(steps, 2))
         replicas = float(backend.replicas())
         decay, schedule = self._decay, self.schedule
-        if schedule is not None and replicas > 1:
-            raise ValueError(
-                "n=from_noise_scale(...) chooses `n` from the noise scale each replica measures "
-                "of its own micro-batches, and replicas would choose apart: it runs on one "
-                f"replica only (this step runs on {int(replicas)}). Use an int `n` with noise_scale=True."
-            )
 
         def update() -> None:
             total = ops.cast(backend.read(weight_total), "float32")
@@ -125,12 +121,29 @@ class Noise:
             backend.assign(self.cycles, ops.where(measured, cycles + 1.0 / replicas, cycles))
             batch = ops.where(measured, total / k, backend.read(self.batch))
             backend.assign(self.batch, batch)
-            if schedule is not None:
-                current = ops.maximum(backend.read(self.next_n), k)
-                chosen = schedule.next_n(current, backend.read(self.gradient_sq), backend.read(self.trace), batch)
-                backend.assign(self.next_n, ops.where(measured, chosen, backend.read(self.next_n)))
 
         backend.when(condition, update, writes=self.variables())
+        if schedule is not None:
+            self._choose(condition, steps, weight_total, replicas)
+
+    def _choose(self, condition: Any, steps: Any, weight_total: Any, replicas: float) -> None:
+        """Sets the next cycle's `n` where a cycle was measured, from the
+        estimates summed over replicas (their mean) and the global
+        micro-batch weight: the same on every replica. Outside the branch
+        of the cycle's end, since under several replicas the sums are an
+        all-reduce (of four scalars, on every micro-step), and a collective
+        cannot run in a branch."""
+        backend = self._backend
+        read = backend.read
+        local = ops.stack([read(self.gradient_sq), read(self.trace), read(self.batch),
+                           ops.cast(read(weight_total), "float32")])
+        gradient_sq, trace, batch, total = ops.unstack(backend.sum_over_replicas(local))
+        # Each replica holds 1/replicas of the choice: read as the sum, as the estimates.
+        before = read(self.next_n) * replicas
+        current = ops.maximum(before, ops.cast(steps, "float32"))
+        chosen = self.schedule.next_n(current, gradient_sq, trace, batch)
+        measured = ops.logical_and(condition, total > 0)
+        backend.assign(self.next_n, ops.where(measured, chosen, before) / replicas)
 
     def read(self) -> dict[str, float] | None:
         """The latest estimates as Python floats (reads the device), or None
