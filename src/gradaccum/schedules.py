@@ -27,8 +27,9 @@ def from_noise_scale(min_n: int, max_n: int, hysteresis: float = 0.25) -> NoiseS
 
     Reading the chosen `n` costs PyTorch, which keeps the cycle's position
     on the host, one read from the device per cycle. Under a TensorFlow
-    distribution strategy with several replicas it is refused: each replica
-    measures its own micro-batches, and they would choose apart.
+    distribution strategy with several replicas, each measures its own
+    micro-batches and all choose together from the estimates averaged over
+    replicas, at the cost of an all-reduce of four scalars per micro-step.
 
     Args:
         min_n: The smallest `n`, an int >= 2 (a cycle of one micro-batch
