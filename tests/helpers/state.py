@@ -12,6 +12,7 @@ constructor have the same keys. Keras 3 variables are named by their
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +62,15 @@ def _variable_types() -> tuple[type, ...]:
     return (keras.Variable, tf.Variable)
 
 
+def _optimizer_types() -> tuple[type, ...]:
+    """Keras 3's optimizer class, and tf_keras's where this process runs it."""
+    found: list[type] = [keras.optimizers.Optimizer]
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is not None:
+        found += [tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer]
+    return tuple(found)
+
+
 def optimizer_variables(optimizer: Any) -> list[Any]:
     """`optimizer.variables`, and the variables its (inner) optimizers hold.
 
@@ -72,7 +82,7 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
     optimizers hold such variables as plain `tf.Variable`s (its Nadam's
     `_u_product`, which its checkpoints save).
     """
-    kinds = _variable_types()
+    kinds, optimizers = _variable_types(), _optimizer_types()
     variables = optimizer.variables
     found = list(variables() if callable(variables) else variables)
     known = {id(v) for v in found}
@@ -86,7 +96,7 @@ def optimizer_variables(optimizer: Any) -> list[Any]:
         known |= {id(v) for v in getattr(opt, "_trainable_variables", [])}
         for value in vars(opt).values():
             for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, keras.optimizers.Optimizer):
+                if isinstance(item, optimizers):
                     pending.append(item)
                 elif isinstance(item, kinds) and id(item) not in known:
                     known.add(id(item))

@@ -205,8 +205,7 @@ class Kept:
     def read(self, divisor: Any, local: bool = False) -> tf.IndexedSlices | None:
         """The cycle's slices for the optimizer, divided by `divisor` (None:
         undivided); None where they were added into rows. `local`: this
-        replica's own slices, as its accumulator would hold them (no
-        communication)."""
+        replica's own, as its accumulator would hold them (no all-reduce)."""
         if self.rows_only:
             return None
         values, indices = [], []
