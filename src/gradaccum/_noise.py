@@ -139,11 +139,11 @@ class Noise:
                            ops.cast(read(weight_total), "float32")])
         gradient_sq, trace, batch, total = ops.unstack(backend.sum_over_replicas(local))
         # Each replica holds 1/replicas of the choice: read as the sum, as the estimates.
-        before = read(self.next_n) * replicas
-        current = ops.maximum(before, ops.cast(steps, "float32"))
+        held = read(self.next_n)
+        current = ops.maximum(held * replicas, ops.cast(steps, "float32"))
         chosen = self.schedule.next_n(current, gradient_sq, trace, batch)
         measured = ops.logical_and(condition, total > 0)
-        backend.assign(self.next_n, ops.where(measured, chosen, before) / replicas)
+        backend.assign(self.next_n, ops.where(measured, chosen / replicas, held))
 
     def read(self) -> dict[str, float] | None:
         """The latest estimates as Python floats (reads the device), or None
