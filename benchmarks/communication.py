@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -47,8 +46,11 @@ import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, ".."))
 
 import bench  # noqa: E402
+
+from tests.helpers.processes import free_loopback_ports, process_env  # noqa: E402
 
 N = 4
 B = 8  # per replica
@@ -171,27 +173,8 @@ def run_child(kind: str, rounds: int) -> dict:
     return {"records": records, "errors": errors, "replicas": replicas, "param_bytes": params}
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [os.path.join(HERE, "..", "src"), env.get("PYTHONPATH", "")] if p
-    )
-    env.update(NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost", CUDA_VISIBLE_DEVICES="")
-    env.update(extra or {})
-    return env
+    return process_env(CUDA_VISIBLE_DEVICES="", **(extra or {}))
 
 
 def run_mirrored(rounds: int, timeout: float) -> dict:
@@ -205,7 +188,7 @@ def run_mirrored(rounds: int, timeout: float) -> dict:
 
 
 def run_multi_worker(rounds: int, timeout: float) -> dict:
-    ports = _free_ports(2)
+    ports = free_loopback_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
     for index in range(2):
