@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Any
 
 import keras
 import numpy as np
 import pytest
 
 from gradaccum import accumulate
+from tests.backends.test_distribution import two_devices
 from tests.helpers import BACKEND, MODES, assert_states_close, fit, full_state, gradients, make_data, make_mlp
 from tests.helpers.hlo import all_reduces
 
@@ -26,14 +28,16 @@ N, B = 4, 8  # B: the global micro-batch, split over the two devices
 
 
 def _distribution():
-    import jax
+    return keras.distribution.DataParallel(devices=two_devices())
 
-    devices = jax.devices()
-    assert len(devices) >= 2, (
-        "these tests need two JAX devices: set XLA_FLAGS=--xla_force_host_platform_device_count=2 "
-        "before JAX starts (the keras3-jax tox environment does)"
-    )
-    return keras.distribution.DataParallel(devices=devices[:2])
+
+def _hidden_kernel_laid_out(shape: tuple[int, ...], axes: list[str], kernel: tuple) -> Any:
+    """`ModelParallel` over a mesh of the two devices, the batch split over
+    its "batch" axis, the MLP's first kernel laid out as `kernel`."""
+    mesh = keras.distribution.DeviceMesh(shape, axes, two_devices())
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts["mlp/hidden0/kernel"] = kernel
+    return keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
 
 
 FALLBACK = "all-reduced on every micro-step"
@@ -273,13 +277,8 @@ def test_a_sum_loss_falls_back_with_a_warning_and_the_same_result():
 
 
 def test_a_layout_that_shards_a_variable_over_the_batch_axis_falls_back_with_a_warning():
-    import jax
-
     x, y = make_data(B * N * 2)
-    mesh = keras.distribution.DeviceMesh((2,), ["batch"], jax.devices()[:2])
-    layouts = keras.distribution.LayoutMap(mesh)
-    layouts["mlp/hidden0/kernel"] = (None, "batch")
-    distribution = keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+    distribution = _hidden_kernel_laid_out((2,), ["batch"], (None, "batch"))
 
     reference = make_mlp()
     reference_opt = keras.optimizers.Adam(1e-2)
@@ -297,14 +296,9 @@ def test_a_layout_that_shards_a_variable_over_the_batch_axis_falls_back_with_a_w
 def test_model_parallel_whose_batch_axis_is_data_parallel():
     """A 2-D mesh: the batch split over "batch", a kernel over "model" (one
     device along it here); the accumulators keep the kernel's sharding."""
-    import jax
-
     x, y = make_data(B * N * 2)
     parameters = sum(int(np.prod(v.shape)) for v in make_mlp().trainable_variables)
-    mesh = keras.distribution.DeviceMesh((2, 1), ["batch", "model"], jax.devices()[:2])
-    layouts = keras.distribution.LayoutMap(mesh)
-    layouts["mlp/hidden0/kernel"] = (None, "model")
-    distribution = keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch")
+    distribution = _hidden_kernel_laid_out((2, 1), ["batch", "model"], (None, "model"))
 
     reference = make_mlp()
     reference_opt = keras.optimizers.Adam(1e-2)

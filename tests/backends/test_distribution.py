@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution run
 N, B = 4, 8  # B: the global micro-batch, split over the two devices
 
 
-def _devices():
+def two_devices():
     import jax
 
     devices = jax.devices()
@@ -33,7 +33,7 @@ def test_data_parallel_equals_one_device_on_the_large_batch(jit):
     ref_model, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
     fit(ref_model, ref_opt, x, y, B * N, jit_compile=jit)
 
-    distribution = keras.distribution.DataParallel(devices=_devices())
+    distribution = keras.distribution.DataParallel(devices=two_devices())
     with distribution.scope():
         model = make_mlp()
         opt = accumulate(keras.optimizers.Adam(1e-2), N)
