@@ -257,7 +257,8 @@ class Core:
             if g is None:
                 continue
             accumulator = state.accumulators[i]
-            if state.keeps_maximum(i):
+            maximum = state.keeps_maximum(i)
+            if maximum:
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
                 backend.max_into(accumulator, g, first)
@@ -280,7 +281,7 @@ class Core:
                     )
                 dense[0].append(accumulator)
                 dense[1].append(g)
-            if not state.keeps_maximum(i):
+            if not maximum:
                 measured.append(g)
             given.add(i)
             state.participants.add(i)

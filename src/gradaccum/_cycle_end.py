@@ -95,7 +95,7 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
 def _held(backend: Any, state: Any, i: int) -> Any:
     """What variable `i`'s cycle has summed so far, on this replica: its
     accumulator, or its kept slices (whose accumulator stays empty)."""
-    if i in state.kept:
+    if state.keeps_slices(i):
         slices = backend.kept_local(state.kept[i])
         if slices is not None:
             return slices
