@@ -178,21 +178,19 @@ def _rows_summed(slices: tf.IndexedSlices) -> tf.Tensor:
 
 
 def _sum_of_squares(value: tf.Tensor) -> tf.Tensor:
-    """The sum of squares of a float32 tensor's elements, the fastest way
-    where it runs.
+    """The sum of squares of a float32 tensor's elements.
 
-    Measured per micro-step of `accumulate(Adam, n=4).apply_gradients` on
-    four Dense kernels of 0.8M elements, over the same step without a norm:
-    under XLA on the CPU, which runs a full reduction as a serial loop,
-    0.95 ms with `l2_loss` and 0.09-0.2 ms as the row sums of the squares
-    in matrix form times a vector of ones (a vectorised library call);
-    without XLA, 0.16 ms with `l2_loss` (one pass over memory) and 0.35 ms
-    as the product.
+    As the row sums of its squares, in matrix form, times a vector of ones:
+    XLA on the CPU runs a full reduction as a serial loop, and a
+    matrix-vector product as a vectorised library call. Measured per
+    micro-step of `accumulate(Adam, n=4).apply_gradients` on four Dense
+    kernels of 0.8M elements, over the same step without a norm: under XLA
+    0.95 ms with `l2_loss`, 0.09-0.2 ms as the product; without XLA 0.16 ms
+    and 0.35 ms, a difference `fit` could not resolve (1.04 and 1.05 of the
+    step without the noise scale).
     """
     if value.shape.rank == 0:
         return tf.square(value)
-    if not compiled_by_xla():
-        return 2.0 * tf.nn.l2_loss(value)
     if value.shape.num_elements() == 0:
         return tf.constant(0.0)
     width = value.shape[-1] if value.shape[-1] is not None else tf.shape(value)[-1]
