@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 import numpy as np
 
-from gradaccum import _families, _patches
+from gradaccum import _backend, _families, _patches
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -245,6 +245,7 @@ def _warn_inexact(model: Any, counts: list[Count]) -> None:
     )
 
 
+@_backend.unconverted
 def _counting(model: Any, args: tuple, kwargs: dict) -> Core | None:
     """The core to hand this loss's count to, if any."""
     # `compute_loss(x, y, y_pred, sample_weight, training=True)`.
@@ -281,6 +282,11 @@ def compute_loss(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs
     core = _counting(instance, args, kwargs)
     if core is None:
         return wrapped(*args, **kwargs)
+    return _counted(core, wrapped, instance, args, kwargs)
+
+
+@_backend.unconverted
+def _counted(core: Core, wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
     with recorded() as recording:
         loss = wrapped(*args, **kwargs)
     weight, exact = combine(recording.counts)

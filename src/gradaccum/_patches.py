@@ -40,6 +40,7 @@ imported when the patch is installed, so that this module imports nothing.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 import threading
@@ -60,6 +61,8 @@ class Spec(NamedTuple):
     `static=True` for `__new__`, which Python looks up as a static method.
     `module` names a library users import themselves (tf_keras): the patch
     is installed only once it is imported, never by importing it.
+    `traced=True` for a method that `torch.compile` traces (Keras's
+    `compute_loss`, inside a compiled train step): see `Patch`.
     """
 
     target: str
@@ -67,11 +70,12 @@ class Spec(NamedTuple):
     wrapper: str
     static: bool = False
     module: str | None = None
+    traced: bool = False
 
 
 _SAVING = "keras.src.saving.serialization_lib"
 ACCUMULATE = (
-    Spec("keras.src.trainers.trainer:Trainer", "compute_loss", "gradaccum._loss_counts:compute_loss"),
+    Spec("keras.src.trainers.trainer:Trainer", "compute_loss", "gradaccum._loss_counts:compute_loss", traced=True),
     Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "load_own_variables",
          "gradaccum._loss_scale:load_when_built"),
     Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "apply_gradients",
@@ -124,21 +128,26 @@ class Patch:
         name: The attribute's name.
         wrapper: Called as `wrapper(wrapped, instance, args, kwargs)`.
         static: Whether the attribute is set as a static method (`__new__`).
+        traced: For a method of a class: set a Python function that calls
+            `wrapper` instead. `torch.compile` takes a `wrapt.FunctionWrapper`
+            for the function it wraps (the proxy answers `isinstance` and
+            `__code__` for it) and traces that, skipping the wrapper; it
+            follows a Python function.
     """
 
-    def __init__(self, target: Any, name: str, wrapper: Wrapper, static: bool = False):
+    def __init__(self, target: Any, name: str, wrapper: Wrapper, static: bool = False, traced: bool = False):
         parent, attribute, original = wrapt.resolve_path(target, name)
         self._parent = parent
         self._attribute = attribute
         self._own = vars(parent).get(attribute, _MISSING)
         self.original = original
-        replacement: Any = wrapt.FunctionWrapper(original, wrapper)
+        replacement: Any = _method(original, wrapper) if traced else wrapt.FunctionWrapper(original, wrapper)
         wrapt.apply_patch(parent, attribute, staticmethod(replacement) if static else replacement)
 
     @classmethod
     def of(cls, spec: Spec) -> Patch:
         """The patch a `Spec` describes, installed."""
-        return cls(_resolve(spec.target), spec.name, _resolve(spec.wrapper), spec.static)
+        return cls(_resolve(spec.target), spec.name, _resolve(spec.wrapper), spec.static, spec.traced)
 
     def remove(self) -> None:
         """Restores the attribute as it was before the patch."""
@@ -146,6 +155,18 @@ class Patch:
             delattr(self._parent, self._attribute)
         else:
             setattr(self._parent, self._attribute, self._own)
+
+
+def _method(original: Callable[..., Any], wrapper: Wrapper) -> Callable[..., Any]:
+    """A method calling `wrapper` as `wrapt.FunctionWrapper` does."""
+
+    @functools.wraps(original)
+    def method(instance: Any, *args: Any, **kwargs: Any) -> Any:
+        # A partial, not a bound method: `torch.compile`, resuming after a
+        # graph break, would look a bound method up again by its name.
+        return wrapper(functools.partial(original, instance), instance, args, kwargs)
+
+    return method
 
 
 _installed: dict[str, list[Patch]] = {}

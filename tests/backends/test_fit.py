@@ -130,9 +130,11 @@ def test_keras_option_differs_where_gradaccum_does_not():
     assert max_difference(ref, keras_own, "model/") > 1e-3
 
 
-def test_loss_counts_weigh_micro_batches_as_the_large_batch():
+@pytest.mark.parametrize("jit", [False, True])
+def test_loss_counts_weigh_micro_batches_as_the_large_batch(jit):
     """`weigh_by="count"` (the default): each micro-batch weighs what its loss
-    was divided by, here its sum of sample weights."""
+    was divided by, here its sum of sample weights; compiled too (on PyTorch
+    `torch.compile`, which must not trace the count's recording away)."""
     x, y = make_data(48)
     # Sample weights that differ between micro-batches, with a loss that
     # divides each micro-batch by its own sum of weights.
@@ -146,7 +148,7 @@ def test_loss_counts_weigh_micro_batches_as_the_large_batch():
     ):
         model = make_mlp()
         opt = make()
-        model.compile(optimizer=opt, loss=loss)
+        model.compile(optimizer=opt, loss=loss, jit_compile=jit)
         model.fit(x, y, sample_weight=w, batch_size=batch, shuffle=False, verbose=0)
         states[name] = full_state(model, opt)
     assert_states_close(states["ref"], states["count"])
