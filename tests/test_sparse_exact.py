@@ -78,6 +78,30 @@ class TokensAndFirstRow(keras.layers.Layer):
         return self.table(tokens) + self.table(ops.zeros((1,), "int32"))
 
 
+@keras.saving.register_keras_serializable(package="test_sparse_exact")
+class MadeIds(keras.layers.Layer):
+    """Ids a model makes from the batch's shape: segment ids as
+    `ops.zeros_like(tokens)` (BERT's default token types), or positions
+    broadcast to every sample. `fit` traces its step with the batch's static
+    shape, so they are constants in the graph; they grow with the batch."""
+
+    def __init__(self, how: str, **kwargs):
+        super().__init__(**kwargs)
+        self.how = how
+        self.table = keras.layers.Embedding(2 if how == "segments" else LENGTH, DIM, name="table")
+
+    def build(self, input_shape):
+        self.table.build(input_shape)
+
+    def call(self, tokens):
+        if self.how == "segments":
+            return self.table(ops.zeros_like(tokens))
+        return self.table(ops.broadcast_to(ops.arange(LENGTH), ops.shape(tokens)))
+
+    def get_config(self):
+        return {**super().get_config(), "how": self.how}
+
+
 def _model(kind: str = "both") -> keras.Model:
     keras.utils.set_random_seed(0)
     if kind == "position":
@@ -94,7 +118,9 @@ def _model(kind: str = "both") -> keras.Model:
         h = h + keras.layers.Embedding(2, DIM, name="segments")(segments)
     if kind == "shared":
         h = h + words(ops.flip(tokens, axis=1))
-    if kind != "token":
+    if kind in ("made_segments", "broadcast_positions"):
+        h = h + MadeIds(kind.split("_")[0], name=kind)(tokens)
+    if kind not in ("token", "made_segments", "broadcast_positions"):
         h = PositionEmbedding(name="positions")(h)
     if kind == "tied":
         h = TiedLogits(words, name="tied")(h)
@@ -166,7 +192,8 @@ def test_the_cases_differ_from_rows_and_from_every_slice():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", ["token", "position", "both", "tied", "shared", "segments", "mixed"])
+@pytest.mark.parametrize("kind", ["token", "position", "both", "tied", "shared", "segments", "mixed", "made_segments",
+                                  "broadcast_positions"])
 def test_fit_equals_the_large_batch_for_every_kind_of_lookup(kind, mode):
     reference, subject, _, opt = _pair(kind, mode=mode)
     _assert_equal_to_the_large_batch(reference, subject, opt)
@@ -199,13 +226,40 @@ def test_in_between_micro_steps_change_nothing(mode):
     assert held.kept_slices[positions][0].shape[0] == LENGTH
 
 
+def test_ids_made_from_the_shape_of_a_batch_of_one_are_kept_fixed_with_a_warning():
+    """With micro-batches of 1 a graph cannot tell segment ids made with
+    `zeros_like` (the batch's) from a table added to every sample: gradaccum
+    keeps them as one slice per index and warns once, naming the variable;
+    that differs from the large batch, which `sparse="slices"` reproduces."""
+    x, y = _data(samples=N * 2)
+    reference = fit(_model("made_segments"), OPTIMIZERS["adam"](), x, y, N)
+    states = {}
+    for sparse in ("auto", "slices"):
+        model, opt = _model("made_segments"), accumulate(OPTIMIZERS["adam"](), N, sparse=sparse)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(model, opt, x, y, 1)
+        states[sparse] = full_state(model, opt)
+        messages = [str(w.message) for w in caught if "gradaccum" in str(w.message)]
+        if sparse == "auto":
+            assert len(messages) == 1
+            assert "'made_segments/table/embeddings'" in messages[0] and "micro-batch size" in messages[0]
+        else:
+            assert not messages
+    reference = full_state(reference, reference.optimizer)
+    assert_states_close(reference, states["slices"])
+    with pytest.raises(AssertionError):
+        assert_states_close(reference, states["auto"])
+
+
 # ----------------------------------------------------------------------
 # XLA.
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind, name", [("both", "adam"), ("both", "rmsprop"), ("both", "adagrad"),
-                                        ("both", "adam_global_clipnorm"), ("segments", "adam"), ("mixed", "adam")])
+                                        ("both", "adam_global_clipnorm"), ("segments", "adam"), ("mixed", "adam"),
+                                        ("made_segments", "adam")])
 def test_xla_equals_the_large_batch(kind, name, mode):
     reference, subject, _, opt = _pair(kind, OPTIMIZERS[name], mode, jit_compile=True)
     _assert_equal_to_the_large_batch(reference, subject, opt)

@@ -21,9 +21,21 @@ they are computed from the step's input data (its arguments, an iterator's
 elements, anything random), by value or through the batch dimension of
 their shape; otherwise (constants, ranges, variables, sizes of other
 dimensions) they are fixed. A variable used by several lookups gets their
-slices concatenated; each part is judged on its own. Eagerly there is no
-graph: `gradaccum._backend.tensorflow.kept` compares a cycle's index sets
-instead.
+slices concatenated; each part is judged on its own.
+
+Where the step's data have a static batch size `B`, a shape taken from
+them is a constant in the graph (`ops.zeros_like(ids)` is a constant of
+shape `(B, L)`), and the constant no longer tells that it came from the
+batch. Constant ids spread over a shape whose first dimension is `B` (a
+fill, a broadcast, a tile, or a constant of one value: segment ids made
+with `zeros_like`, positions broadcast to every sample) are therefore read
+as the batch's: they grow. A table of its own (`ops.arange(T)`, relative
+positions) is not spread, whatever its size. With `B == 1` every shape's
+first dimension may be the batch's, so such ids are not told apart: they
+are kept fixed, and the part says it is `unsure` (the caller warns).
+
+Eagerly there is no graph: `gradaccum._backend.tensorflow.kept` compares a
+cycle's index sets instead.
 """
 
 from __future__ import annotations
@@ -40,6 +52,15 @@ FIXED = "fixed"
 _VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VariableShape", "VarHandleOp"})
 # Ops that carry only the rank of their input.
 _RANK_ONLY = frozenset({"Rank"})
+# Ops that spread a value over a shape they are given.
+_SPREADING = frozenset({"Fill", "BroadcastTo", "Tile", "ZerosLike", "OnesLike"})
+# Ops through which constant ids keep their values' first dimension
+# (`Reshape` is followed only where it keeps it).
+_PASSING = frozenset({"Identity", "Cast", "Reshape", "ExpandDims", "Squeeze", "AddV2", "Add", "Sub", "Mul",
+                      "FloorDiv", "FloorMod", "Maximum", "Minimum", "Neg", "Abs", "SelectV2", "Select"})
+# Ops that give the step's data (besides its arguments).
+_DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
+                           "MultiDeviceIteratorGetNextFromShard"})
 # Ops that call a function or branch: their outputs are taken to depend on
 # all their inputs (what their bodies compute from constants alone is not
 # data).
@@ -55,12 +76,16 @@ class Part(NamedTuple):
         values: Their values.
         indices: Their indices (int64).
         count: Their number where the graph knows it, else None.
+        unsure: Whether some of these fixed slices' ids are spread over a
+            first dimension of 1 with a micro-batch of 1: they may be the
+            batch's (see the module docstring).
     """
 
     kind: str
     values: Any
     indices: Any
     count: int | None
+    unsure: bool = False
 
 
 def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
@@ -73,9 +98,10 @@ def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
     if tf.executing_eagerly():
         return None
     pieces = _pieces(grad.indices)
-    kinds = [GROWS if _depends_on_batch(p) else FIXED for p in pieces]
+    judged = [_judge(p) for p in pieces]
+    kinds = [kind for kind, _ in judged]
     if len(set(kinds)) == 1:
-        return [Part(kinds[0], grad.values, indices, _count(indices))]
+        return [Part(kinds[0], grad.values, indices, _count(indices), any(u for _, u in judged))]
     sizes = [tf.shape(p, out_type=tf.int64)[0] for p in pieces]
     values = tf.split(grad.values, tf.stack(sizes), num=len(pieces))
     index_parts = tf.split(indices, tf.stack(sizes), num=len(pieces))
@@ -85,8 +111,61 @@ def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
         counts = [_count(pieces[k]) for k in chosen]
         count = None if None in counts else sum(counts)
         parts.append(Part(kind, tf.concat([values[k] for k in chosen], 0),
-                          tf.concat([index_parts[k] for k in chosen], 0), count))
+                          tf.concat([index_parts[k] for k in chosen], 0), count,
+                          any(judged[k][1] for k in chosen)))
     return parts
+
+
+def _judge(piece: tf.Tensor) -> tuple[str, bool]:
+    """A lookup's kind, and whether it is unsure (see `Part`)."""
+    if _depends_on_batch(piece):
+        return GROWS, False
+    batch = _micro_batch_size(piece.graph)
+    if batch is None or not _spread(_looked_up(piece), batch):
+        return FIXED, False
+    return (GROWS, False) if batch > 1 else (FIXED, True)
+
+
+def _looked_up(piece: tf.Tensor) -> tf.Tensor:
+    """The ids a lookup was given: a gather's gradient flattens them."""
+    op = piece.op
+    while op.type in ("Identity", "Cast", "Reshape"):
+        piece = op.inputs[0]
+        op = piece.op
+    return piece
+
+
+def _micro_batch_size(graph: Any) -> int | None:
+    """The first dimension the step's data share, where the graph knows it
+    (else None): its arguments' and an iterator's elements'."""
+    captured = {id(internal) for _, internal in getattr(graph, "captures", None) or []}
+    data = [t for t in getattr(graph, "inputs", None) or [] if id(t) not in captured]
+    data += [t for op in graph.get_operations() if op.type in _DATA_SOURCES for t in op.outputs]
+    sizes = {t.shape[0] for t in data
+             if t.dtype not in (tf.resource, tf.variant) and t.shape.rank and t.shape[0] is not None}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _spread(ids: tf.Tensor, batch: int) -> bool:
+    """Whether constant `ids`, of first dimension `batch`, are a value spread
+    over that dimension (see the module docstring)."""
+    stack, seen = [ids], set()
+    while stack:
+        t = stack.pop()
+        if t.name in seen or not t.shape.rank or t.shape[0] != batch:
+            continue
+        seen.add(t.name)
+        op = t.op
+        if op.type in _SPREADING:
+            return True
+        if op.type == "Const":
+            value = tf.get_static_value(t)
+            if value is not None and (value == value.flat[0]).all():
+                return True
+        elif op.type in _PASSING:
+            stack.extend(op.inputs[1:] if op.type in ("SelectV2", "Select") else
+                         op.inputs[:1] if op.type in ("Reshape", "ExpandDims", "Squeeze") else op.inputs)
+    return False
 
 
 def _count(tensor: Any) -> int | None:

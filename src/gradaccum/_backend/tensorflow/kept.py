@@ -82,6 +82,8 @@ class Kept:
             with self._lock:  # eagerly, a strategy's replicas are threads
                 self._add_eagerly(grad, weight, first)
             return
+        if any(part.unsure for part in parts):
+            self._warn("unsure", layouts.unsure_warning(self.name))
         xla = tensors.compiled_by_xla()
         with tf.init_scope():
             self._prepare(parts, xla)
@@ -225,9 +227,8 @@ class Kept:
         return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0), tf.constant(self._shape, tf.int64))
 
     def counters(self) -> list[Any]:
-        """The variables a cycle's first micro-step that gives this variable
-        no gradient zeroes: its parts' row counts (its accumulator, where
-        its slices are added into rows)."""
+        """The variables a cycle's first micro-step that gives this variable no gradient zeroes:
+        its parts' row counts (its accumulator, where its slices are added into rows)."""
         if self.rows_only:
             return [self._accumulator]
         return [buffer.filled for buffer in self.parts.values()]
@@ -271,8 +272,7 @@ class Kept:
         return out
 
     def load(self, saved: dict[str, np.ndarray]) -> None:
-        """Holds what `saved` returned (eagerly): at once where this
-        variable's parts exist, else once a step has made them."""
+        """Holds what `saved` returned (eagerly): at once where its parts exist, else once a step made them."""
         self._pending = {k: np.asarray(v) for k, v in saved.items()}
         if self.rows_only:
             self._pending_into_rows()

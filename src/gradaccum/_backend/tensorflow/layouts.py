@@ -122,6 +122,18 @@ def xla_warning(name: str, unknown_count: bool) -> str:
     )
 
 
+def unsure_warning(name: str) -> str:
+    return (
+        f"gradaccum: variable {name!r} is looked up with ids that are not computed from the batch "
+        "but fill a shape whose first dimension is 1, the micro-batch size: with micro-batches of 1 "
+        "the step's graph cannot tell ids made from the batch's shape (segment ids from "
+        "`ops.zeros_like(ids)`, positions broadcast to every sample) from a table added to every "
+        "sample. They are summed over the cycle, one slice per index, as for such a table; if they "
+        f"are the batch's, the large batch keeps them apart: {SQUARES}. Then pass sparse=\"slices\" "
+        "(every variable's slices kept apart) or use micro-batches of more than one sample."
+    )
+
+
 def judged_warning(name: str, held: np.ndarray, new: np.ndarray) -> str:
     """Eagerly, equal index sets on two micro-steps read as positions: how
     much the sum of squares differs from reading them as tokens."""
