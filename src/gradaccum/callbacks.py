@@ -1,4 +1,4 @@
-"""Keras callbacks for accumulating optimizers."""
+"""Keras callbacks for accumulating optimizers (Keras 3's and tf_keras's `fit`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,21 @@ from gradaccum._families import core_in
 _WHEN = ("epoch_end", "train_end")
 
 
-class FlushPartialCycle(keras.callbacks.Callback):
+class _Callback(keras.callbacks.Callback):
+    """A Keras 3 callback that tf_keras's `fit` takes too: tf_keras asks each
+    callback which batch hooks it implements, which Keras 3's do not say."""
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return type(self).on_train_batch_end is not keras.callbacks.Callback.on_train_batch_end
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
+
+
+class FlushPartialCycle(_Callback):
     """Applies a partial accumulation cycle at the end of each epoch or of training.
 
     Without it, micro-batches left over at the end of an epoch stay in the
@@ -53,7 +67,7 @@ class FlushPartialCycle(keras.callbacks.Callback):
             self._flush()
 
 
-class GradientNoiseScale(keras.callbacks.Callback):
+class GradientNoiseScale(_Callback):
     """Logs the gradient noise scale an accumulating optimizer measures.
 
     Adds `noise_scale` (see `AccumulatingOptimizer.noise_scale`), and with

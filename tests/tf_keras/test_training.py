@@ -11,6 +11,7 @@ import tensorflow as tf
 import tf_keras
 
 from gradaccum import accumulate
+from gradaccum.callbacks import FlushPartialCycle, GradientNoiseScale
 from tests.helpers import (
     MODES,
     assert_states_close,
@@ -340,3 +341,22 @@ def test_n_1_is_the_plain_optimizer_bit_for_bit(make, kwargs):
             grads = gradients(m, xb, yb)
             o.apply_gradients(zip(grads, m.trainable_variables), **kwargs)
     assert_states_equal(full_state(ref_model, ref_opt), full_state(model, opt))
+
+
+@pytest.mark.parametrize("make", BOTH_ADAM)
+def test_gradaccum_callbacks_run_in_fit(make):
+    """gradaccum's callbacks, Keras 3 callbacks, run in tf_keras's `fit`:
+    `FlushPartialCycle` applies each epoch's partial cycle as a large batch
+    of what it holds (40 samples: large batches of 12, 12, 12 and 4), and
+    `GradientNoiseScale` logs."""
+    x, y = make_data(40)
+    reference, ref_opt = make_mlp(), make()
+    reference.compile(optimizer=ref_opt, loss="mse")
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    model, opt = make_mlp(), accumulate(make(), 3, noise_scale=True)
+    model.compile(optimizer=opt, loss="mse")
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[FlushPartialCycle(), GradientNoiseScale()])
+    assert int(opt.iterations.numpy()) == 8 and int(opt.micro_step) == 0
+    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
+    assert len(history.history["noise_scale"]) == 2
