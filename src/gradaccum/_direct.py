@@ -57,7 +57,7 @@ class Direct:
 
     def stateless_apply(
         self, apply: Callable[..., None], optimizer_variables: Sequence[Any], grads: Sequence[Any],
-        trainable_variables: Sequence[Any],
+        trainable_variables: Sequence[Any], weight: Any,
     ) -> tuple[list[Any], list[Any]]:
         core = self.core
         if _backend.active() == "tensorflow":
@@ -85,7 +85,7 @@ class Direct:
             )
         mapping = list(zip(model, trainable_variables)) + list(zip(own, optimizer_variables))
         with StatelessScope(state_mapping=mapping) as scope:
-            apply(list(grads), model)
+            apply(list(grads), model, weight)
         return [scope.get_current_value(v) for v in model], [scope.get_current_value(v) for v in own]
 
     def save(self, store: Any) -> None:

@@ -120,8 +120,10 @@ class LossScaled:
     def variables(self) -> Any:
         return self.optimizer.variables
 
-    def stateless_apply(self, *args: Any) -> Any:
-        return self.optimizer.stateless_apply(*args)
+    def stateless_apply(self, optimizer_variables: Sequence[Any], grads: Sequence[Any],
+                        trainable_variables: Sequence[Any], weight: Any) -> Any:
+        with self.core.weights.weighing(weight):
+            return self.optimizer.stateless_apply(optimizer_variables, grads, trainable_variables)
 
     # Keras files: the loss-scale optimizer's own variables (its scale and
     # step counter, then its inner optimizer's) are written under its path;

@@ -255,7 +255,8 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
         return self._self_runner.variables
 
     def stateless_apply(
-        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Sequence[Any]
+        self, optimizer_variables: Sequence[Any], grads: Sequence[Any], trainable_variables: Sequence[Any],
+        weight: Any = None,
     ) -> tuple[list[Any], list[Any]]:
         """Accumulates one micro-batch without side effects (JAX, PyTorch).
 
@@ -266,18 +267,22 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
             optimizer_variables: The values of `optimizer.variables`.
             grads: One gradient per trainable variable.
             trainable_variables: Those variables' values.
+            weight: Optional weight of this micro-batch (a number or scalar
+                tensor, e.g. its count of samples or tokens); see
+                `apply_gradients`.
 
         Returns:
             `(trainable_variables, optimizer_variables)`: their new values.
 
         Raises:
-            ValueError: If the optimizer is not built or the lists do not
-                match its variables.
+            TypeError: If `weight` is not a number or scalar tensor.
+            ValueError: If the optimizer is not built, the lists do not
+                match its variables, or `weight` is negative or not finite.
             NotImplementedError: On the TensorFlow backend: call `apply`.
         """
         if isinstance(self._self_runner, LossScaled):
-            return self._self_runner.stateless_apply(optimizer_variables, grads, trainable_variables)
-        return self._self_runner.stateless_apply(self.apply, optimizer_variables, grads, trainable_variables)
+            return self._self_runner.stateless_apply(optimizer_variables, grads, trainable_variables, weight)
+        return self._self_runner.stateless_apply(self.apply, optimizer_variables, grads, trainable_variables, weight)
 
     @_backend.unconverted
     def minimize(self, loss: Any, var_list: Any, *args: Any, **kwargs: Any) -> Any:

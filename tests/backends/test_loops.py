@@ -19,6 +19,7 @@ from tests.helpers import (
     gradients,
     make_data,
     make_mlp,
+    max_difference,
     split,
     train_steps,
     values,
@@ -187,19 +188,20 @@ def test_none_gradients_leave_a_variable_out_as_the_large_batch_does():
 
 def _jitted_step(model, opt):
     """A `jax.jit` train step through `opt.stateless_apply`:
-    `(trainable, optimizer_values, x, y) -> (trainable, optimizer_values)`."""
+    `(trainable, optimizer_values, x, y, weight=None) -> (trainable, optimizer_values)`."""
     import jax
 
     others = [v.value for v in model.non_trainable_variables]
     loss = keras.losses.MeanSquaredError()
 
     @jax.jit
-    def step(trainable, optimizer_values, xb, yb):
+    def step(trainable, optimizer_values, xb, yb, weight=None):
         def of(values):
             y_pred, _ = model.stateless_call(values, others, xb, training=True)
             return loss(yb, y_pred)
 
-        return opt.stateless_apply(optimizer_values, jax.grad(of)(trainable), trainable)
+        weighed = {} if weight is None else {"weight": weight}
+        return opt.stateless_apply(optimizer_values, jax.grad(of)(trainable), trainable, **weighed)
 
     return step
 
@@ -231,6 +233,42 @@ def test_stateless_apply_inside_jit_matches_large_batch():
     _write_back(model, opt, trainable, optimizer_values)
     assert_states_close(ref, full_state(model, opt))
     assert as_int(opt.micro_step) == 0
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
+@pytest.mark.parametrize("loss_scaled", [False, True], ids=["plain", "loss_scaled"])
+def test_stateless_apply_weighs_micro_batches_of_different_sizes(loss_scaled):
+    """A loop that computes its own loss hands each micro-batch's size as
+    `weight=`: micro-batches of 2, 6, 4 and 4 make the large batch of 16."""
+    x, y = make_data(32)
+
+    def make():
+        adam = keras.optimizers.Adam(1e-2)
+        return keras.optimizers.LossScaleOptimizer(adam) if loss_scaled else adam
+
+    def train(opt, sizes, weighed):
+        # Jitted for the reference too: Keras's loss-scale optimizer cannot
+        # `apply` eagerly on JAX (its conditional leaks a tracer).
+        model = make_mlp()
+        opt.build(model.trainable_variables)
+        step = _jitted_step(model, opt)
+        trainable = [v.value for v in model.trainable_variables]
+        optimizer_values = [v.value for v in opt.variables]
+        for xb, yb in split(x, y, sizes):
+            weight = np.float32(len(xb)) if weighed else None
+            trainable, optimizer_values = step(trainable, optimizer_values, xb, yb, weight)
+        _write_back(model, opt, trainable, optimizer_values)
+        return full_state(model, opt)
+
+    ref = train(make(), [16, 16], False)
+    opt = accumulate(make(), 4)
+    subject = train(opt, [2, 6, 4, 4] * 2, True)
+    if loss_scaled:  # the scale's growth counter counts finite micro-batches
+        assert as_int(subject.pop("opt/step_counter")) == 8 and as_int(ref.pop("opt/step_counter")) == 2
+    assert_states_close(ref, subject)
+    assert as_int(opt.micro_step) == 0
+    # Unweighed, the micro-batches weigh alike: the test can fail.
+    assert max_difference(ref, train(accumulate(make(), 4), [2, 6, 4, 4] * 2, False)) > 1e-4
 
 
 @pytest.mark.skipif(BACKEND != "jax", reason="stateless_apply under jax.jit is JAX's")
