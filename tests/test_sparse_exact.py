@@ -372,7 +372,7 @@ def test_eager_loops_judge_from_index_sets_and_warn_once(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind, name", [("both", "adam"), ("both", "adam_global_clipnorm"), ("both", "sgd_momentum"),
-                                        ("segments", "rmsprop"), ("mixed", "adagrad")])
+                                        ("segments", "rmsprop"), ("mixed", "adagrad"), ("made_segments", "adam")])
 def test_mirrored_fit_equals_one_device_on_the_large_batch(kind, name, mode):
     reference, subject, _, opt = _pair(kind, OPTIMIZERS[name], mode, strategy=mirrored())
     _assert_equal_to_the_large_batch(reference, subject, opt)
