@@ -378,3 +378,33 @@ def test_apply_without_variables_needs_a_built_optimizer_and_matching_gradients(
         opt.apply(grads[:1])
     with pytest.raises(ValueError, match="Received 1 gradients for 4 variables"):
         opt.apply(grads[:1], model.trainable_variables)
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile is PyTorch's")
+def test_a_torch_compiled_step_matches_large_batch():
+    """A step compiled by `torch.compile` that calls `opt.apply`: the
+    micro-step runs between the compiled graphs (its cycle position lives on
+    the host), equal to the plain optimizer compiled the same way."""
+    import torch
+
+    x, y = make_data(48)
+
+    def run(opt, batch):
+        model = make_mlp()
+        opt.build(model.trainable_variables)
+
+        @torch.compile
+        def step(xb, yb):
+            model.zero_grad()
+            keras.ops.mean((model(xb, training=True) - yb) ** 2).backward()
+            with torch.no_grad():
+                opt.apply([v.value.grad for v in model.trainable_variables], model.trainable_variables)
+
+        for xb, yb in split(x, y, [batch] * (48 // batch)):
+            step(torch.as_tensor(xb), torch.as_tensor(yb))
+        return full_state(model, opt)
+
+    ref = run(keras.optimizers.Adam(1e-2), 16)
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4)
+    assert_states_close(ref, run(opt, 4))
+    assert as_int(opt.iterations) == 3 and as_int(opt.micro_step) == 0
