@@ -267,9 +267,7 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
             optimizer_variables: The values of `optimizer.variables`.
             grads: One gradient per trainable variable.
             trainable_variables: Those variables' values.
-            weight: Optional weight of this micro-batch (a number or scalar
-                tensor, e.g. its count of samples or tokens); see
-                `apply_gradients`.
+            weight: Optional weight of this micro-batch; see `apply_gradients`.
 
         Returns:
             `(trainable_variables, optimizer_variables)`: their new values.
