@@ -54,10 +54,11 @@ _VARIABLE_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGather
 _RANK_ONLY = frozenset({"Rank"})
 # Ops that spread a value over a shape they are given.
 _SPREADING = frozenset({"Fill", "BroadcastTo", "Tile", "ZerosLike", "OnesLike"})
-# Ops through which constant ids keep their values' first dimension
-# (`Reshape` is followed only where it keeps it).
-_PASSING = frozenset({"Identity", "Cast", "Reshape", "ExpandDims", "Squeeze", "AddV2", "Add", "Sub", "Mul",
-                      "FloorDiv", "FloorMod", "Maximum", "Minimum", "Neg", "Abs", "SelectV2", "Select"})
+# Ops that keep their first input's values, and elementwise ops (whose
+# first dimension is their inputs', broadcast): what ids pass through.
+_KEEPING = frozenset({"Identity", "Cast", "Reshape", "ExpandDims", "Squeeze"})
+_ELEMENTWISE = frozenset({"AddV2", "Add", "Sub", "Mul", "FloorDiv", "FloorMod", "Maximum", "Minimum", "Neg", "Abs",
+                          "SelectV2", "Select"})
 # Ops that give the step's data (besides its arguments).
 _DATA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
                            "MultiDeviceIteratorGetNextFromShard"})
@@ -121,18 +122,9 @@ def _judge(piece: tf.Tensor) -> tuple[str, bool]:
     if _depends_on_batch(piece):
         return GROWS, False
     batch = _micro_batch_size(piece.graph)
-    if batch is None or not _spread(_looked_up(piece), batch):
+    if batch is None or not _spread(piece, batch):
         return FIXED, False
     return (GROWS, False) if batch > 1 else (FIXED, True)
-
-
-def _looked_up(piece: tf.Tensor) -> tf.Tensor:
-    """The ids a lookup was given: a gather's gradient flattens them."""
-    op = piece.op
-    while op.type in ("Identity", "Cast", "Reshape"):
-        piece = op.inputs[0]
-        op = piece.op
-    return piece
 
 
 def _micro_batch_size(graph: Any) -> int | None:
@@ -147,24 +139,29 @@ def _micro_batch_size(graph: Any) -> int | None:
 
 
 def _spread(ids: tf.Tensor, batch: int) -> bool:
-    """Whether constant `ids`, of first dimension `batch`, are a value spread
-    over that dimension (see the module docstring)."""
+    """Whether constant `ids` are a value spread over a first dimension of
+    `batch` (see the module docstring), followed back through the ops that
+    keep their values (a gather's gradient flattens its ids)."""
     stack, seen = [ids], set()
     while stack:
         t = stack.pop()
-        if t.name in seen or not t.shape.rank or t.shape[0] != batch:
+        if t.name in seen:
             continue
         seen.add(t.name)
         op = t.op
-        if op.type in _SPREADING:
+        if not t.shape.rank or t.shape[0] != batch:
+            if op.type in _KEEPING:
+                stack.append(op.inputs[0])
+        elif op.type in _SPREADING:
             return True
-        if op.type == "Const":
+        elif op.type == "Const":
             value = tf.get_static_value(t)
             if value is not None and (value == value.flat[0]).all():
                 return True
-        elif op.type in _PASSING:
-            stack.extend(op.inputs[1:] if op.type in ("SelectV2", "Select") else
-                         op.inputs[:1] if op.type in ("Reshape", "ExpandDims", "Squeeze") else op.inputs)
+        elif op.type in _KEEPING:
+            stack.append(op.inputs[0])
+        elif op.type in _ELEMENTWISE:
+            stack.extend(op.inputs[1:] if op.type in ("SelectV2", "Select") else op.inputs)
     return False
 
 
