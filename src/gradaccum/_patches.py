@@ -2,7 +2,8 @@
 
 Importing gradaccum changes nothing. The table below lists every patch; each
 is installed on first use, with wrapt's helpers (`resolve_path`,
-`apply_patch`, `FunctionWrapper`), and undone the same way (`Patch.remove`):
+`apply_patch`, `FunctionWrapper`; a Python function where `torch.compile`
+must see the wrapper, see `Patch`), and undone the same way (`Patch.remove`):
 
 - `ACCUMULATE`, on the first call of `accumulate()` or when the first
   accumulating optimizer is made (a proxy's constructor, `from_config`, a
