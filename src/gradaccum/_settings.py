@@ -73,8 +73,9 @@ class Settings:
             # The estimators take each micro-gradient as the mean over its
             # micro-batch; a sum-reduced loss's gradient is not.
             raise ValueError(
-                "noise_scale=True measures the noise scale from mean micro-gradients; it needs "
-                f"reduction=\"mean\". Received: reduction={self.reduction!r}."
+                "noise_scale=True (which n=gradaccum.schedules.from_noise_scale(...) implies) measures "
+                "the noise scale from mean micro-gradients; it needs reduction=\"mean\". "
+                f"Received: reduction={self.reduction!r}."
             )
         if self.accumulator_dtype != "float32" and self.sparse == "slices":
             raise ValueError(

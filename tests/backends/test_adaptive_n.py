@@ -114,3 +114,10 @@ def test_bad_bounds_are_refused_by_name(kwargs, error, words):
 
 
 assert D == 10  # the regression's B_simple (21) is what the tests above expect
+
+
+def test_a_sum_reduction_is_refused_naming_the_schedule_that_measures():
+    """The schedule turns the measurement on: the error says so, since the
+    user never passed `noise_scale=True`."""
+    with pytest.raises(ValueError, match=r"from_noise_scale.*reduction=\"mean\""):
+        accumulate(keras.optimizers.SGD(0.1), n=from_noise_scale(2, 8), reduction="sum")
