@@ -408,3 +408,16 @@ def test_a_torch_compiled_step_matches_large_batch():
     opt = accumulate(keras.optimizers.Adam(1e-2), 4)
     assert_states_close(ref, run(opt, 4))
     assert as_int(opt.iterations) == 3 and as_int(opt.micro_step) == 0
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="stateless_apply is JAX's and PyTorch's")
+@pytest.mark.parametrize("weight, error", [("4", TypeError), (-1.0, ValueError), ([4], TypeError)])
+def test_stateless_apply_refuses_a_bad_weight_by_name(weight, error):
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4)
+    opt.build(model.trainable_variables)
+    x, y = make_data(4)
+    grads = gradients(model, x, y)
+    with pytest.raises(error, match="weight"):
+        opt.stateless_apply([v.value for v in opt.variables], grads, [v.value for v in model.trainable_variables],
+                            weight=weight)
