@@ -99,7 +99,9 @@ def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
     if tf.executing_eagerly():
         return None
     pieces = _pieces(grad.indices)
-    judged = [_judge(p) for p in pieces]
+    grows = [_depends_on_batch(p) for p in pieces]
+    batch = None if all(grows) else _micro_batch_size(indices.graph)
+    judged = [(GROWS, False) if g else _judge_constant(p, batch) for p, g in zip(pieces, grows)]
     kinds = [kind for kind, _ in judged]
     if len(set(kinds)) == 1:
         return [Part(kinds[0], grad.values, indices, _count(indices), any(u for _, u in judged))]
@@ -117,11 +119,9 @@ def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
     return parts
 
 
-def _judge(piece: tf.Tensor) -> tuple[str, bool]:
-    """A lookup's kind, and whether it is unsure (see `Part`)."""
-    if _depends_on_batch(piece):
-        return GROWS, False
-    batch = _micro_batch_size(piece.graph)
+def _judge_constant(piece: tf.Tensor, batch: int | None) -> tuple[str, bool]:
+    """The kind of a lookup whose ids are not computed from the data, and
+    whether it is unsure (see `Part`), for a micro-batch of `batch`."""
     if batch is None or not _spread(piece, batch):
         return FIXED, False
     return (GROWS, False) if batch > 1 else (FIXED, True)
@@ -149,17 +149,16 @@ def _spread(ids: tf.Tensor, batch: int) -> bool:
             continue
         seen.add(t.name)
         op = t.op
-        if not t.shape.rank or t.shape[0] != batch:
-            if op.type in _KEEPING:
-                stack.append(op.inputs[0])
+        if op.type in _KEEPING:
+            stack.append(op.inputs[0])
+        elif not t.shape.rank or t.shape[0] != batch:
+            continue
         elif op.type in _SPREADING:
             return True
         elif op.type == "Const":
             value = tf.get_static_value(t)
             if value is not None and (value == value.flat[0]).all():
                 return True
-        elif op.type in _KEEPING:
-            stack.append(op.inputs[0])
         elif op.type in _ELEMENTWISE:
             stack.extend(op.inputs[1:] if op.type in ("SelectV2", "Select") else op.inputs)
     return False
