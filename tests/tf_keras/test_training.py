@@ -16,6 +16,7 @@ from tests.helpers import (
     MODES,
     assert_states_close,
     assert_states_equal,
+    fit,
     fit_pair,
     full_state,
     gradients,
@@ -350,13 +351,10 @@ def test_gradaccum_callbacks_run_in_fit(make):
     of what it holds (40 samples: large batches of 12, 12, 12 and 4), and
     `GradientNoiseScale` logs."""
     x, y = make_data(40)
-    reference, ref_opt = make_mlp(), make()
-    reference.compile(optimizer=ref_opt, loss="mse")
-    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
-    model, opt = make_mlp(), accumulate(make(), 3, noise_scale=True)
-    model.compile(optimizer=opt, loss="mse")
-    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
-                        callbacks=[FlushPartialCycle(), GradientNoiseScale()])
+    reference = fit(make_mlp(), make(), x, y, 12, epochs=2)
+    opt = accumulate(make(), 3, noise_scale=True)
+    model = fit(make_mlp(), opt, x, y, 4, epochs=2,
+                fit_kwargs={"callbacks": [FlushPartialCycle(), GradientNoiseScale()]})
     assert int(opt.iterations.numpy()) == 8 and int(opt.micro_step) == 0
-    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
-    assert len(history.history["noise_scale"]) == 2
+    assert_states_close(full_state(reference, reference.optimizer), full_state(model, opt))
+    assert len(model.history.history["noise_scale"]) == 2
