@@ -2,7 +2,7 @@
 
 The core (`gradaccum._core`) decides *what* a micro-step does, once for every
 backend; a backend says *how*, through the hooks of `Backend` below. There
-are two:
+are three:
 
 - `tensorflow.TensorFlowBackend` (`tensorflow/backend.py`): TensorFlow
   variables placed for `tf.distribute` (replica-local accumulators, counters
