@@ -19,7 +19,7 @@ import numpy as np
 from keras import ops
 
 from gradaccum import _noise
-from gradaccum._backend import Backend
+from gradaccum._backend import Backend, KeptSlices
 from gradaccum._view import AccumulationState
 
 
@@ -273,7 +273,7 @@ class State:
         """Loads kept slices a file or checkpoint held for variable `index`
         (eagerly): kept again, or added into its rows where slices are not
         kept (`sparse="rows"`, or a backend without `tf.IndexedSlices`)."""
-        if sparse != "rows" and hasattr(self._backend, "new_kept"):
+        if sparse != "rows" and isinstance(self._backend, KeptSlices):
             self.kept_for(index, sparse == "slices").load(saved)
             return
         backend, accumulator = self._backend, self.accumulators[index]

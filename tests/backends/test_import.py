@@ -59,3 +59,12 @@ def test_the_batch_normalization_layer_is_refused_by_name():
 
     with pytest.raises(ValueError, match=f"TensorFlow backend only.*'{BACKEND}'"):
         BatchNormalization()
+
+
+def test_only_tensorflow_gives_the_hooks_of_kept_slices():
+    """The state keeps a file's slices as slices only where the backend
+    declares the hooks of kept slices (TensorFlow, with `tf.IndexedSlices`);
+    elsewhere it adds them into rows."""
+    from gradaccum._backend import KeptSlices, for_active
+
+    assert isinstance(for_active(), KeptSlices) == (BACKEND == "tensorflow")

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import keras
 
@@ -284,12 +284,43 @@ class Backend(Protocol):
         """Whether a value handed over from an earlier call belongs to the
         trace (or eager run) running now."""
 
-    # Sparse gradients: only TensorFlow has them (`tf.IndexedSlices`); the
-    # other hooks of kept slices (`scatter_into`, `new_kept`, `keep_slices`,
-    # `kept_slices`, `kept_local`, `kept_counters`) are TensorFlow's alone.
+    # Sparse gradients: only TensorFlow has them (`tf.IndexedSlices`); a
+    # backend that has them also gives the hooks of `KeptSlices`.
 
     def is_slices(self, grad: Any) -> bool:
         """Whether `grad` is a sparse gradient."""
+
+
+@runtime_checkable
+class KeptSlices(Protocol):
+    """The hooks of a backend with sparse gradients (TensorFlow's alone):
+    a variable's slices kept as slices for a cycle. The core asks for them
+    only where `Backend.is_slices` said a gradient is sparse; elsewhere
+    `isinstance(backend, KeptSlices)` tells whether slices can be kept."""
+
+    def scatter_into(self, accumulator: Any, grad: Any, weight: Any, first: Any) -> None:
+        """Adds the sparse `grad` (times `weight`) into the rows of
+        `accumulator`, zeroed first on a cycle's first micro-step (`first`)."""
+
+    def new_kept(self, family: Any, variable: Any, accumulator: Any, n: Any, keep_all: bool,
+                 steps: Callable[[], int]) -> Any:
+        """A variable's kept slices, empty (`keep_all`: every slice grows;
+        `steps`: the cycle's micro-steps so far, read eagerly)."""
+
+    def keep_slices(self, kept: Any, grad: Any, weight: Any, first: Any) -> None:
+        """Keeps the sparse `grad` (times `weight`) in `kept`."""
+
+    def kept_slices(self, kept: Any, divisor: Any) -> Any:
+        """The cycle's kept slices as one sparse gradient for the optimizer,
+        divided by `divisor` (None: undivided); None where they were added
+        into rows."""
+
+    def kept_local(self, kept: Any) -> Any:
+        """This replica's own kept slices, undivided (no all-reduce)."""
+
+    def kept_counters(self, kept: Any) -> list[Any]:
+        """The variables of `kept` that a cycle's first micro-step giving
+        its variable no gradient zeroes."""
 
 
 def for_active() -> Backend:
