@@ -24,7 +24,7 @@ import tensorflow as tf
 from keras import ops
 
 from gradaccum import accumulate
-from tests.helpers import MODES, assert_states_close, assert_states_equal, fit, full_state
+from tests.helpers import MODES, assert_states_close, assert_states_equal, fit, full_state, internal_state
 from tests.helpers.distribute import mirrored
 
 N, B, CYCLES = 4, 4, 3
@@ -277,7 +277,7 @@ def test_xla_buffers_hold_a_cycle_and_grow_with_n(recwarn):
     model.compile(optimizer=opt, loss="mse", jit_compile=True)
     model.fit(x[: B * 2], y[: B * 2], batch_size=B, shuffle=False, verbose=0)
     words = [v.path for v in opt.accumulation_state.variables].index("words/embeddings")
-    grown = opt._self_core.state.kept[words].parts["grows"]
+    grown = internal_state(opt).kept[words].parts["grows"]
     assert int(tf.shape(grown.values)[0]) == 2 * B * LENGTH
     opt.n = 8
     assert int(tf.shape(grown.values)[0]) == 8 * B * LENGTH
@@ -531,7 +531,7 @@ def test_kept_slices_hold_no_more_than_the_large_batch_gradient():
     with tf.GradientTape() as tape:
         loss = ops.mean((large(x[: B * N]) - y[: B * N]) ** 2)
     grads = dict(zip([v.path for v in large.trainable_variables], tape.gradient(loss, large.trainable_variables)))
-    state = opt._self_core.state
+    state = internal_state(opt)
     assert sorted(state.kept) == sorted(i for i, v in enumerate(state.variables) if v.path in
                                         ("words/embeddings", "positions/table/embeddings"))
     for i, kept in state.kept.items():

@@ -7,7 +7,17 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate
-from tests.helpers import JIT, assert_same, assert_states_close, fit_pair, make_data, make_mlp, values
+from tests.helpers import (
+    JIT,
+    assert_same,
+    assert_states_close,
+    fit_pair,
+    internal_state,
+    make_data,
+    make_mlp,
+    settings_of,
+    values,
+)
 
 
 def test_accumulators_and_compensations_are_bfloat16():
@@ -16,7 +26,7 @@ def test_accumulators_and_compensations_are_bfloat16():
     opt.build(model.trainable_variables)
     dtypes = {keras.backend.standardize_dtype(a.dtype) for a in opt.accumulation_state.accumulators}
     assert dtypes == {"bfloat16"}
-    state = opt._self_core.state
+    state = internal_state(opt)
     assert {keras.backend.standardize_dtype(c.dtype) for c in state.compensations} == {"bfloat16"}
 
 
@@ -77,9 +87,7 @@ def test_a_keras_file_saved_mid_cycle_resumes_bit_for_bit(tmp_path, jit):
     path = str(tmp_path / "bfloat16.keras")
     model.save(path)
     loaded = keras.models.load_model(path, safe_mode=True)
-    assert loaded.optimizer._self_core.settings.accumulator_dtype == "bfloat16"
+    assert settings_of(loaded.optimizer)["accumulator_dtype"] == "bfloat16"
     loaded.fit(x[B * 6 :], y[B * 6 :], batch_size=B, shuffle=False, verbose=0)
     assert_same(values(reference.weights), values(loaded.weights))
-    assert_same(
-        values(ref_opt._self_core.state.compensations), values(loaded.optimizer._self_core.state.compensations)
-    )
+    assert_same(values(internal_state(ref_opt).compensations), values(internal_state(loaded.optimizer).compensations))

@@ -11,7 +11,7 @@ import pytest
 from gradaccum import accumulate
 from gradaccum.schedules import from_noise_scale
 from tests.backends.test_noise_scale import D, _regression
-from tests.helpers import assert_states_close, full_state
+from tests.helpers import assert_states_close, full_state, settings_of
 
 B = 4
 
@@ -75,10 +75,10 @@ def test_n_follows_the_noise_scale_rounded_and_clipped():
 
 def test_the_schedule_turns_measuring_on_and_travels_in_configs():
     opt = accumulate(keras.optimizers.Adam(1e-3), from_noise_scale(min_n=2, max_n=32, hysteresis=0.5))
-    assert opt._self_core.settings.noise_scale is True
+    assert settings_of(opt)["noise_scale"] is True
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
     assert again.n == from_noise_scale(min_n=2, max_n=32, hysteresis=0.5)
-    assert again._self_core.settings.noise_scale is True
+    assert settings_of(again)["noise_scale"] is True
 
 
 def test_a_keras_file_keeps_the_chosen_n(tmp_path):

@@ -18,7 +18,17 @@ import pytest
 
 import gradaccum
 from gradaccum import accumulate
-from tests.helpers import BACKEND, JIT, assert_states_close, fit_pair, gradients, make_data, make_mlp, values
+from tests.helpers import (
+    BACKEND,
+    JIT,
+    assert_states_close,
+    fit_pair,
+    gradients,
+    make_data,
+    make_mlp,
+    settings_of,
+    values,
+)
 
 D, SIGMA = 10, 1.0
 
@@ -219,8 +229,8 @@ def test_the_settings_travel_in_configs_and_copies():
     config = keras.saving.serialize_keras_object(opt)
     again = keras.saving.deserialize_keras_object(config)
     for other in (again, copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
-        settings = other._self_core.settings
-        assert (settings.noise_scale, settings.noise_decay) == (True, 0.8)
+        settings = settings_of(other)
+        assert (settings["noise_scale"], settings["noise_decay"]) == (True, 0.8)
 
 
 def test_the_callback_logs_the_noise_scale_to_fit():

@@ -178,6 +178,20 @@ def core_of(optimizer: Any) -> Any:
     return core
 
 
+def settings_of(optimizer: Any) -> dict[str, Any]:
+    """An accumulating optimizer's settings, as its Keras config carries
+    them (every keyword argument of `accumulate()` by name)."""
+    return keras.saving.serialize_keras_object(optimizer)["config"]
+
+
+def internal_state(optimizer: Any) -> Any:
+    """The accumulation state behind `optimizer` (`gradaccum._state.State`),
+    for what `accumulation_state` does not show: the compensations of
+    `accumulator_dtype="bfloat16"`, the buffers of kept slices. The one
+    place tests read the proxy's internals."""
+    return core_of(optimizer)._self_core.state
+
+
 def as_int(value: Any) -> int:
     """A counter (`micro_step`, `iterations`) of any backend as an int."""
     return int(keras.ops.convert_to_numpy(value))
