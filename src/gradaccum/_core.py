@@ -10,9 +10,9 @@
 3. with `n=1`, hands the gradients straight to the wrapped optimizer;
 4. otherwise adds them into the accumulators (`Backend.add_into`); on a
    cycle's first micro-step it writes over them instead, so the end of a
-   cycle never clears them (a clearing after the update, which reads the
-   sums, made XLA copy every accumulator on every micro-step:
-   benchmarks/RESULTS.md). A variable Keras marks `overwrite_with_gradient`
+   cycle never clears them: a clearing after the update, which reads the
+   sums inside a branch, would make XLA copy every accumulator on every
+   micro-step. A variable Keras marks `overwrite_with_gradient`
    (float8 scales) keeps the cycle's elementwise maximum instead, as
    Keras's own `gradient_accumulation_steps` does, and the apply step
    writes it undivided;

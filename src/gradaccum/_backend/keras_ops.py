@@ -338,8 +338,9 @@ class KerasOpsBackend:
             ])
 
         # Traced by JAX, both modes run the update in a `jax.lax.cond`: a
-        # select between the update's new values and the old ones costs XLA
-        # on the CPU six times the update itself (benchmarks/RESULTS.md).
+        # select between the update's new values and the old ones would run
+        # the update on every micro-step, and cost XLA on the CPU several
+        # times the update itself.
         run_if(update.ends, apply, watched)
 
     def _total(self, accumulator: Any, value: Any) -> Any:

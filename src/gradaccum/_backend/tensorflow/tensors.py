@@ -113,9 +113,8 @@ def fused_add(accumulator: tf.Variable, grad: tf.Tensor, weight: Any) -> None:
     """`accumulator += weight * grad` in one pass over memory.
 
     `fit` weighs every micro-batch by its loss count, and `grad * weight`
-    before the add is a pass of its own, as costly as the add: in graph mode
-    on the CPU an in-between micro-step took 8% longer that way
-    (benchmarks/RESULTS.md). `ResourceApplyGradientDescent` computes
+    before the add would be a pass over memory of its own, as costly as the
+    add. `ResourceApplyGradientDescent` computes
     `var -= alpha * delta` in one pass; with `alpha = -weight` that is the
     weighted add, bit for bit (negation is exact, and the kernel does not
     contract into a fused multiply-add).
