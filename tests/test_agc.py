@@ -405,10 +405,6 @@ def test_config_round_trip():
     assert config["config"]["agc"] == 0.02 and config["config"]["agc_eps"] == 1e-4
     again = serialization_lib.deserialize_keras_object(config)
     assert (again.agc, again.agc_eps, again.agc_exclude) == (0.02, 1e-4, leave_out_biases)
-    # A config written before AGC existed: off.
-    for key in ("agc", "agc_eps", "agc_exclude"):
-        del config["config"][key]
-    assert serialization_lib.deserialize_keras_object(config).agc is None
     # Off by default, and saved as off.
     plain = serialization_lib.serialize_keras_object(accumulate(OPTIMIZERS["adam"](), 3))
     assert plain["config"]["agc"] is None

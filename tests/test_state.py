@@ -211,22 +211,6 @@ def test_later_cycle_resumes_bit_identical(tmp_path, uninterrupted_scaled, how, 
     assert_states_equal(uninterrupted_scaled[mode, traced], full_state(model, opt))
 
 
-def test_checkpoint_of_the_earlier_format_resumes(uninterrupted_scaled):
-    """A checkpoint written by gradaccum 0.1.0 before this format (saved in
-    `tests/data/scaled_sums` by `_fresh(n=4)` after six micro-steps) held a
-    partial cycle's sums multiplied by the reciprocal of the last cycle's
-    divisor, 1/4; restored now, the cycle goes on with the plain sums."""
-    path = os.path.join(os.path.dirname(__file__), "data", "scaled_sums", "ckpt")
-    model, opt = _fresh(n=N_SCALED)
-    # `expect_partial`: the file predates the record of which variables the
-    # cycle has touched; without it every variable taking part counts as
-    # touched, which the comparison below checks.
-    tf.train.Checkpoint(model=model, optimizer=opt).read(path).expect_partial()
-    assert int(opt.micro_step) == 2
-    _run(model, opt, range(6, STEPS), False)
-    assert_states_close(uninterrupted_scaled["masked", False], full_state(model, opt))
-
-
 # ----------------------------------------------------------------------
 # .keras files and configs
 

@@ -188,7 +188,7 @@ class Core:
         if not self.built:
             self.build(variables)
         state = self.state
-        state.upgrade_restored()
+        state.load_restored_slices()
         indices = state.indices_of(variables)
         if all(g is None for g in grads):
             raise ValueError("No gradients provided for any variable (every gradient is None).")
@@ -309,7 +309,7 @@ class Core:
         state = self.state
         if state is None or not state.participants:
             return
-        state.upgrade_restored()
+        state.load_restored_slices()
         self.backend.on_each_replica(self.family, self._flush_here)
 
     def _flush_here(self) -> None:

@@ -118,7 +118,7 @@ class Settings:
     @classmethod
     def from_config(cls, config: dict[str, Any], custom_objects: Any = None) -> Settings:
         """The inverse of `to_config` (a setting the config lacks gets its
-        default, as in a config written before that setting existed).
+        default).
 
         Raises:
             TypeError: If `config` lacks `n`.

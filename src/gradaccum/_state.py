@@ -291,12 +291,12 @@ class State:
         with self._backend.eagerly():
             return int(self._backend.saved(self.micro_step, False)) > 0
 
-    def upgrade_restored(self) -> None:
-        """Brings a TensorFlow checkpoint written by an earlier version to
-        this format (once per restore, see `Checkpointed.upgrade`)."""
+    def load_restored_slices(self) -> None:
+        """Loads the kept slices a TensorFlow checkpoint restored, once the
+        whole restore has been read (see `Checkpointed.load_slices`)."""
         if self.checkpoint is not None and self.checkpoint.restored:
             with self._backend.eagerly():
-                self.checkpoint.upgrade(self)
+                self.checkpoint.load_slices(self)
 
     def view(self) -> AccumulationState:
         """The state as `AccumulatingOptimizer.accumulation_state` shows it
@@ -325,7 +325,7 @@ class State:
         over them (see `gradaccum._core`). Between cycles this zeroes them,
         where a write lasts (eagerly); inside a trace nothing is done.
         """
-        self.upgrade_restored()
+        self.load_restored_slices()
         if not self._backend.writable_now(self.micro_step) or self.begun():
             return
         backend = self._backend

@@ -121,10 +121,6 @@ def test_config_round_trip_keeps_the_mode(setting):
         again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
         assert issubclass(type(again), AccumulatingOptimizer)
         assert (again.n, again.mode) == (3, setting)
-    # A config written before `mode` existed loads as the default.
-    config = keras.saving.serialize_keras_object(accumulate(keras.optimizers.Adam(), 3, mode=setting))
-    del config["config"]["mode"]
-    assert AccumulatingOptimizer.from_config(config["config"]).mode == "masked"
 
 
 def test_sparse_slices_is_refused_by_name_off_tensorflow():

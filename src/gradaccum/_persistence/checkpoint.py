@@ -27,7 +27,6 @@ def checkpoint_class() -> type:
         return _CHECKPOINT[0]
     import tensorflow as tf
 
-    from gradaccum._backend.tensorflow import distribution
 
     class Checkpointed(tf.Module):
         """What TensorFlow checkpoints hold of a `State`.
@@ -38,9 +37,6 @@ def checkpoint_class() -> type:
         (`KeptSlices`). Which variables take part is
         Python state that decides what a traced step updates, so it is
         written beside the variables, with the settings, which are checked.
-        `scale` is 1: a checkpoint written before held the sums of a partial
-        cycle multiplied by it, which `upgrade` divides out; such a
-        checkpoint has no `touched` either, which `upgrade` fills in.
         """
 
         def __init__(self, state: State, core: Any):
@@ -57,42 +53,19 @@ def checkpoint_class() -> type:
             if state.compensations is not None:
                 self.compensations = state.compensations
                 state.compensations = self.compensations  # the tracked list
-            with distribution.creation_scope(core.family.strategy()):
-                self.scale = distribution.mirrored_counter(1, name="sum_scale", dtype=tf.float32)
             self._core = core
             self.restored = False
 
-        def upgrade(self, state: State) -> None:
+        def load_slices(self, state: State) -> None:
             """Once all of a restore has been read: loads the kept slices (into
             rows, those of a `sparse="rows"` optimizer, which adds into the
-            restored accumulators), then brings a checkpoint of an earlier
-            format to this one."""
+            restored accumulators: a restore reads its objects in no order
+            that puts the accumulators first)."""
             self.restored = False
             loaded, state.loaded_slices = state.loaded_slices, {}
             for i in range(len(state.accumulators)):
                 if i in loaded or i in state.kept:
                     state.load_kept(i, loaded.get(i, {}), self._core.settings.sparse)
-            self._touch_all_if_unrecorded(state)
-            scale = float(self.scale.numpy())
-            if scale == 1.0:
-                return
-            held = [a for i, a in enumerate(state.accumulators) if not state.keeps_maximum(i)]
-            for variable in held:
-                for copy in distribution.copies(variable):
-                    copy.assign(copy.read_value() / tf.cast(scale, copy.dtype), read_value=False)
-            self.scale.assign(1.0)
-
-        def _touch_all_if_unrecorded(self, state: State) -> None:
-            # A cycle under way records at least one variable as touched; a
-            # checkpoint written before this was recorded restores none, and
-            # then every variable taking part counts as touched, as it did.
-            if state.touched is None or int(distribution.copies(state.micro_step)[0].numpy()) == 0:
-                return
-            if np.any(distribution.copies(state.touched)[0].numpy()):
-                return
-            mask = np.array([int(i in state.participants) for i in range(len(state.accumulators))], np.int32)
-            for copy in distribution.copies(state.touched):
-                copy.assign(mask, read_value=False)
 
         def _serialize_to_tensors(self) -> dict[str, Any]:
             state = self._core.state
@@ -152,7 +125,7 @@ def checkpoint_class() -> type:
                 kept = {key: arrays[f"{key}_{i}"] for key in KEPT if f"{key}_{i}" in arrays}
                 if kept:
                     loaded[i] = kept
-            # Loaded once the whole restore has been read (`Checkpointed.unscale`).
+            # Loaded once the whole restore has been read (`Checkpointed.load_slices`).
             state.loaded_slices = loaded
             state.checkpoint.restored = True
             return tf.no_op()

@@ -92,7 +92,7 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
     """The state as Keras files hold it. Between cycles the accumulators and
     the weight total hold the last cycle's values, which count for nothing:
     they are written as zeros."""
-    state.upgrade_restored()
+    state.load_restored_slices()
     begun = state.begun()
     total = backend.saved(state.weight_total, False)
     names = "\0".join(relative_names(state.variables)).encode("utf-8")
@@ -179,8 +179,7 @@ def _sources(values: dict[str, np.ndarray], state: State) -> list[int]:
 
 
 def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: str) -> None:
-    """Loads what `snapshot` wrote (older files: without names, weight
-    total or participation).
+    """Loads what `snapshot` wrote.
 
     Raises:
         ValueError: If the store was written for another model.
@@ -197,15 +196,10 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
             backend.load(target, held.astype(backend.saved(target, False).dtype), False)
     micro_step = int(np.asarray(values[f"{KEY}micro_step"]))
     backend.set_counter(state.micro_step, micro_step)
-    if f"{KEY}seen" in values:
-        seen = np.asarray(values[f"{KEY}seen"], dtype=bool)
-        state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
-    elif micro_step > 0:  # written before participation was: read it off the sums
-        state.participants = {i for i, j in enumerate(source) if np.any(values[f"{KEY}accumulator_{j}"])}
-    # Written before the cycle's participation was, every variable taking
-    # part counts as having received a gradient in the cycle.
-    touched = np.asarray(values.get(f"{KEY}touched", np.ones(len(source), bool)), dtype=bool)
-    touched = {i for i, j in enumerate(source) if j < len(touched) and touched[j]} & state.participants
+    seen = np.asarray(values[f"{KEY}seen"], dtype=bool)
+    state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
+    touched = np.asarray(values[f"{KEY}touched"], dtype=bool)
+    touched = {i for i, j in enumerate(source) if touched[j]} & state.participants
     state.host_touched = touched
     if state.touched is not None:
         mask = np.array([int(i in touched) for i in range(len(state.accumulators))], np.int32)
@@ -214,9 +208,7 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
         # A file written without the noise scale leaves it unmeasured.
         for name, variable in zip(NOISE_NAMES, state.noise.variables()):
             backend.load(variable, np.asarray(values.get(f"{KEY}noise_{name}", 0.0), np.float32), False)
-    # Written before weights existed, every micro-batch weighed 1.
-    total = values.get(f"{KEY}weight_total", np.asarray(micro_step, np.float32))
-    backend.load(state.weight_total, np.asarray(total, np.float32), False)
+    backend.load(state.weight_total, np.asarray(values[f"{KEY}weight_total"], np.float32), False)
     # Last: where the slices are added into rows, into the rows just loaded.
     for i, j in enumerate(source):
         kept = {key: values[f"{KEY}{key}_{j}"] for key in KEPT if f"{KEY}{key}_{j}" in values}
