@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import sys
 import time
 from collections.abc import Iterator
 
-# Before TensorFlow is imported: no C++ log lines below errors.
+# Before Keras imports TensorFlow (on its backend): no C++ log lines below
+# errors once its logging has started.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 # Agreement expected from float32 rounding alone: measured 2.4e-7 relative
@@ -59,15 +61,18 @@ def _stderr_silenced() -> Iterator[None]:
 
 
 def _import_keras():
-    """Imports Keras (and its backend) quietly; returns the module."""
+    """Imports Keras (and its backend) quietly; returns the module.
+
+    `import gradaccum` imports no Keras, so the backend's start-up messages
+    are all written here, inside the silenced block: its import, and the
+    first tensor (a device's start-up, which logs too).
+    """
     with _stderr_silenced():
         import keras
 
-        if keras.config.backend() == "tensorflow":
-            import tensorflow as tf
-
-            tf.get_logger().setLevel("ERROR")
-            tf.config.list_logical_devices()  # device start-up, which logs too
+        keras.ops.convert_to_numpy(keras.ops.zeros(()))
+    # TensorFlow's Python warnings (retracing and the like) go to this logger.
+    logging.getLogger("tensorflow").setLevel(logging.ERROR)
     try:
         from absl import logging as absl_logging
 
