@@ -123,6 +123,48 @@ def test_no_module_imports_tensorflow_at_import_time_but_the_tensorflow_hooks():
             assert not roots & {"tensorflow", "tf_keras"}, name
 
 
+# The modules that may import TensorFlow (or the TensorFlow hooks) anywhere,
+# also inside a function: the backend package, tf_keras's optimizer
+# families and TensorFlow checkpoints. `_family` and `_keras3` read
+# `tf.distribute` strategies for Keras 3's optimizer families.
+TENSORFLOW_MODULES = ("gradaccum._backend", "gradaccum._tf_keras", "gradaccum._persistence.checkpoint",
+                      "gradaccum._family", "gradaccum._keras3")
+
+
+def _tensorflow_imports(tree: ast.AST) -> list[int]:
+    """The lines of every import of TensorFlow, tf_keras or the TensorFlow
+    hooks in `tree`, at any depth (in functions, under `TYPE_CHECKING`)."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        if any(n.split(".")[0] in ("tensorflow", "tf_keras") or n.startswith("gradaccum._backend.tensorflow")
+               for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_tensorflow_imports_are_found_at_any_depth():
+    source = "import typing\nif typing.TYPE_CHECKING:\n    import tensorflow as tf\ndef f():\n" \
+             "    from gradaccum._backend.tensorflow import kept\n    import keras\n"
+    assert _tensorflow_imports(ast.parse(source)) == [3, 5]
+
+
+def test_only_the_tensorflow_modules_import_tensorflow():
+    """Every other module asks the backend's hooks (`gradaccum._backend`)
+    for what TensorFlow does differently, so it runs unchanged on JAX and
+    PyTorch."""
+    for name, path in _modules().items():
+        if name in TENSORFLOW_MODULES or name.startswith("gradaccum._backend."):
+            continue
+        found = _tensorflow_imports(ast.parse(path.read_text()))
+        assert not found, (name, found)
+
+
 def test_modules_and_classes_stay_small():
     for name, path in _modules().items():
         tree = ast.parse(path.read_text())

@@ -26,6 +26,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from gradaccum import _backend
+
 # What keeps a zero gradient norm from being a divisor; as in the
 # reference code, it can only matter for a unit whose gradient is 0, which
 # is left as it is anyway.
@@ -52,15 +54,6 @@ def unitwise_norm(x: Any, axes: tuple[int, ...] | None) -> Any:
 
 def _compute_dtype(dtype: Any) -> str:
     return "float64" if keras.backend.standardize_dtype(dtype) == "float64" else "float32"
-
-
-def _is_slices(grad: Any) -> bool:
-    """Whether `grad` is a `tf.IndexedSlices` (only TensorFlow has them)."""
-    if keras.config.backend() != "tensorflow":
-        return False
-    import tensorflow as tf
-
-    return isinstance(grad, tf.IndexedSlices)
 
 
 def variable_path(variable: Any) -> str:
@@ -151,10 +144,7 @@ class AdaptiveClipping:
             scale: A loss-scale factor `grad` carries (clipping looks at
                 `grad / scale`), or None.
         """
-        if _is_slices(grad):
-            import tensorflow as tf
-
-            grad = tf.convert_to_tensor(grad)
+        grad = _backend.for_active().densify(grad)
         dtype = _compute_dtype(grad.dtype)
         dense = ops.cast(grad, dtype)
         if scale is not None:
@@ -181,19 +171,13 @@ class AdaptiveClipping:
             The gradients, clipped, in their dtypes; `IndexedSlices` stay
             sparse (every row of a unit scales alike).
         """
+        backend = _backend.for_active()
         out = []
         for g, v in zip(grads, variables):
             if g is None or self.excludes(v):
                 out.append(g)
                 continue
-            f = self.factor(g, v, scale)
-            if _is_slices(g):
-                import tensorflow as tf
-
-                values = g.values * tf.cast(f, g.values.dtype)
-                out.append(tf.IndexedSlices(values, g.indices, g.dense_shape))
-            else:
-                out.append(g * ops.cast(f, g.dtype))
+            out.append(backend.scale_gradient(g, self.factor(g, v, scale)))
         return out
 
 

@@ -35,16 +35,14 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
+from keras import ops
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 from keras.src.backend.common.variables import AutocastScope
 
-from gradaccum import _families, _patches
-
-if TYPE_CHECKING:
-    import tensorflow as tf
+from gradaccum import _backend, _families, _patches
 
 
 @keras.saving.register_keras_serializable(package="gradaccum", name="BatchNormalization")
@@ -164,64 +162,59 @@ class BatchNormalization(keras.layers.BatchNormalization):
         with AutocastScope(None):
             optimizer.build(model.trainable_variables)
 
-    def _count(self, inputs: tf.Tensor, mask: Any) -> tf.Tensor:
+    def _count(self, inputs: Any, mask: Any) -> Any:
         """The micro-batch's sample count per channel: over all replicas
         where Keras's moments are (`synchronized=True` without a mask; with
         a mask Keras takes each replica's own)."""
-        import tensorflow as tf
-
         if mask is not None:
-            return tf.reduce_sum(tf.cast(mask, tf.float32))
-        shape = tf.shape(inputs)
-        count = tf.cast(tf.reduce_prod(tf.gather(shape, list(self._reduction_axes))), tf.float32)
-        context = tf.distribute.get_replica_context()
-        if self.synchronized and context is not None and context.num_replicas_in_sync > 1:
-            count = context.all_reduce(tf.distribute.ReduceOp.SUM, count)
+            return ops.sum(ops.cast(mask, "float32"))
+        shape = ops.shape(inputs)  # a tensor for each size known only at run time
+        count = 1
+        for axis in self._reduction_axes:
+            count = count * shape[axis]
+        count = ops.cast(count, "float32")
+        backend = _backend.for_active()
+        if self.synchronized and backend.replicas() > 1:
+            count = backend.sum_over_replicas(count)
         return count
 
-    def _pool(self, mean: tf.Tensor, variance: tf.Tensor, count: tf.Tensor, last: tf.Tensor) -> None:
-        import tensorflow as tf
-
-        mean = tf.cast(mean, tf.float32)
-        variance = tf.cast(variance, tf.float32)
+    def _pool(self, mean: Any, variance: Any, count: Any, last: Any) -> None:
+        mean = ops.cast(mean, "float32")
+        variance = ops.cast(variance, "float32")
         n_a = self.pooled_count.value
         mean_a = self.pooled_mean.value
         m2_a = self.pooled_m2.value
         total = n_a + count
         # An empty micro-batch (a ragged end of 0 samples) adds nothing.
-        share = tf.math.divide_no_nan(count, total)
+        share = ops.divide_no_nan(count, total)
         delta = mean - mean_a
         pooled_mean = mean_a + delta * share
-        pooled_m2 = m2_a + variance * count + tf.square(delta) * n_a * share
+        pooled_m2 = m2_a + variance * count + ops.square(delta) * n_a * share
         self._finish(total, pooled_mean, pooled_m2, last)
 
-    def _finish(self, total: tf.Tensor, mean: tf.Tensor, m2: tf.Tensor, last: tf.Tensor) -> None:
+    def _finish(self, total: Any, mean: Any, m2: Any, last: Any) -> None:
         """On `last`, the moving update with the pool, which is then emptied;
         otherwise the pool is kept."""
-        import tensorflow as tf
-
         momentum = self.momentum
         moving_mean = keras.ops.cast(self.moving_mean, "float32")
         moving_variance = keras.ops.cast(self.moving_variance, "float32")
-        pooled_variance = tf.math.divide_no_nan(m2, total)
+        pooled_variance = ops.divide_no_nan(m2, total)
         new_mean = moving_mean * momentum + mean * (1.0 - momentum)
         new_variance = moving_variance * momentum + pooled_variance * (1.0 - momentum)
         # A flush of an empty pool changes nothing.
-        last = tf.logical_and(last, total > 0)
-        self.moving_mean.assign(tf.where(last, new_mean, moving_mean))
-        self.moving_variance.assign(tf.where(last, new_variance, moving_variance))
-        self.pooled_count.assign(tf.where(last, tf.zeros_like(total), total))
-        self.pooled_mean.assign(tf.where(last, tf.zeros_like(mean), mean))
-        self.pooled_m2.assign(tf.where(last, tf.zeros_like(m2), m2))
+        last = ops.logical_and(last, total > 0)
+        self.moving_mean.assign(ops.where(last, new_mean, moving_mean))
+        self.moving_variance.assign(ops.where(last, new_variance, moving_variance))
+        self.pooled_count.assign(ops.where(last, ops.zeros_like(total), total))
+        self.pooled_mean.assign(ops.where(last, ops.zeros_like(mean), mean))
+        self.pooled_m2.assign(ops.where(last, ops.zeros_like(m2), m2))
 
     def flush(self) -> None:
         """Applies the pooled statistics of a partial cycle, if any."""
         if not self.built:
             return
-        import tensorflow as tf
-
         self._finish(
-            self.pooled_count.value, self.pooled_mean.value, self.pooled_m2.value, tf.constant(True)
+            self.pooled_count.value, self.pooled_mean.value, self.pooled_m2.value, ops.convert_to_tensor(True)
         )
 
 

@@ -50,14 +50,11 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-import keras
 import numpy as np
 
 from gradaccum import _backend, _families, _patches
 
 if TYPE_CHECKING:
-    import tensorflow as tf
-
     from gradaccum._core import Core
 
 # Reductions that divide the summed loss by something.
@@ -76,7 +73,7 @@ class Count:
             else None.
     """
 
-    value: tf.Tensor | None
+    value: Any | None
     per_row: int | None = None
 
 
@@ -123,7 +120,7 @@ def count_of(
     if weight is not None:
         weight = ops.cast(weight, values.dtype)
         values, weight = keras_loss.squeeze_or_expand_to_same_rank(values, weight)
-    static, entries = _shape_and_entries(values, weight)
+    static, entries = _backend.for_active().shape_and_entries(values, weight)
     if static is not None and static in ((), (0,)):
         return Count(None)
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
@@ -141,26 +138,7 @@ def count_of(
     return Count(entries, per_row)
 
 
-def _shape_and_entries(values: Any, weight: Any) -> tuple[tuple[int | None, ...] | None, Any]:
-    """The shape of `values * weight` as far as known (None if its rank is
-    not), and its number of entries as a float32 tensor."""
-    if keras.config.backend() == "tensorflow":
-        import tensorflow as tf
-
-        static, dynamic = values.shape, tf.shape(values)
-        if weight is not None:
-            static = tf.broadcast_static_shape(values.shape, weight.shape)
-            dynamic = tf.broadcast_dynamic_shape(tf.shape(values), tf.shape(weight))
-        entries = tf.cast(tf.reduce_prod(dynamic), tf.float32)
-        return (None if static.rank is None else tuple(static.as_list())), entries
-    # JAX and PyTorch know every shape, also while tracing.
-    shape = tuple(values.shape)
-    if weight is not None:
-        shape = tuple(np.broadcast_shapes(shape, tuple(weight.shape)))
-    return shape, keras.ops.convert_to_tensor(float(np.prod(shape, dtype=np.int64)), dtype="float32")
-
-
-def combine(counts: list[Count]) -> tuple[tf.Tensor | None, bool]:
+def combine(counts: list[Count]) -> tuple[Any | None, bool]:
     """The weight of a micro-batch whose compiled losses divided by `counts`.
 
     Returns:

@@ -24,10 +24,9 @@ import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-import keras
 import wrapt
 
-from gradaccum import _families
+from gradaccum import _backend, _families
 from gradaccum._persistence.keras_files import read_store
 from gradaccum._settings import Settings
 
@@ -38,9 +37,7 @@ class _UncountedIterations(wrapt.ObjectProxy):
     def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
         if read_value:
             return self.__wrapped__.read_value()
-        import tensorflow as tf  # tf_keras only
-
-        return tf.no_op()
+        return _backend.for_active().no_op()
 
 
 class _UncountedSkips(wrapt.ObjectProxy):
@@ -151,16 +148,10 @@ class LossScaled:
 def _install(optimizer: Any, attribute: str, inner: Any) -> None:
     """Makes `inner` the loss-scale optimizer's inner optimizer."""
     setattr(optimizer, attribute, inner)
-    if keras.config.backend() != "tensorflow":
-        return
-    import tensorflow as tf
-
-    delegating = tf.__internal__.tracking.DelegatingTrackableMixin
-    if isinstance(optimizer, delegating):
-        # tf_keras's loss-scale optimizer for OptimizerV2 hands every
-        # checkpoint call to the inner optimizer it was created with; point
-        # it at the accumulating one, or checkpoints would miss its state.
-        delegating.__init__(optimizer, inner)
+    # tf_keras's loss-scale optimizer for OptimizerV2 hands every checkpoint
+    # call to the inner optimizer it was created with; point it at the
+    # accumulating one, or checkpoints would miss its state.
+    _backend.for_active().delegate_tracking(optimizer, inner)
 
 
 def load_when_built(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

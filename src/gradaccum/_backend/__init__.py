@@ -290,6 +290,29 @@ class Backend(Protocol):
     def is_slices(self, grad: Any) -> bool:
         """Whether `grad` is a sparse gradient."""
 
+    # Gradients and losses as the layers above the core see them
+    # (`gradients.KerasOpsGradients` on JAX and PyTorch).
+
+    def densify(self, grad: Any) -> Any:
+        """`grad` as a dense tensor (a sparse gradient's rows summed)."""
+
+    def scale_gradient(self, grad: Any, factor: Any) -> Any:
+        """`grad * factor` in `grad`'s dtype; a sparse gradient stays sparse
+        (`factor` then multiplies its rows' values)."""
+
+    def shape_and_entries(self, values: Any, weight: Any) -> tuple[tuple[int | None, ...] | None, Any]:
+        """The shape of `values * weight` (of `values` for `weight=None`)
+        as far as known here (None if its rank is not), and its number of
+        entries as a float32 scalar tensor (known at run time)."""
+
+    def no_op(self) -> Any:
+        """What a write that does nothing returns (`read_value=False`)."""
+
+    def delegate_tracking(self, optimizer: Any, inner: Any) -> None:
+        """Points the checkpoint tracking of a loss-scale `optimizer` that
+        hands it to the inner optimizer it was created with (tf_keras's, for
+        OptimizerV2) at `inner`; nothing for any other."""
+
 
 @runtime_checkable
 class KeptSlices(Protocol):

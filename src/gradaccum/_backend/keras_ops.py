@@ -23,7 +23,7 @@ import numpy as np
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
 
-from gradaccum._backend import StateVariables, Update, device_local
+from gradaccum._backend import StateVariables, Update, device_local, gradients
 
 
 def is_traced(value: Any) -> bool:
@@ -98,7 +98,7 @@ def run_if(condition: Any, fn: Callable[[], None], variables: Sequence[Any]) -> 
         variable.assign(value)
 
 
-class KerasOpsBackend:
+class KerasOpsBackend(gradients.KerasOpsGradients):
     """The hooks of `gradaccum._backend.Backend` with Keras ops (JAX)."""
 
     counter_dtype = "int32"
