@@ -22,15 +22,15 @@ accumulators add.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
 
-# Before Keras imports TensorFlow (on its backend): no C++ log lines below
-# errors once its logging has started.
+from gradaccum._quiet import stderr_silenced
+
+# No TensorFlow C++ log lines below errors once its logging has started
+# (also where the demo is imported rather than run with `-m`).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 # Agreement expected from float32 rounding alone: measured 2.4e-7 relative
@@ -38,36 +38,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 TOLERANCE = 1e-5
 
 
-@contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """Sends the process's standard error (file descriptor 2) to /dev/null.
-
-    TensorFlow's C++ start-up messages (CPU features, CUDA probing, oneDNN)
-    are written before its logging settings are read, so only this keeps
-    them off the screen. Python's own errors raised inside still propagate
-    and are printed once the descriptor is back.
-    """
-    sys.stderr.flush()
-    saved = os.dup(2)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
-
-
 def _import_keras():
     """Imports Keras (and its backend) quietly; returns the module.
 
-    `import gradaccum` imports no Keras, so the backend's start-up messages
-    are all written here, inside the silenced block: its import, and the
-    first tensor (a device's start-up, which logs too).
+    Run as `python -m gradaccum.demo`, the package imported Keras silenced
+    already (see `gradaccum._quiet`); the first tensor starts a device,
+    which logs too.
     """
-    with _stderr_silenced():
+    with stderr_silenced():
         import keras
 
         keras.ops.convert_to_numpy(keras.ops.zeros(()))
