@@ -140,7 +140,10 @@ class TfKerasFamily(_TfKerasFamily):
         hidden = [v for v in vars(opt).values() if isinstance(v, tf.Variable)]
         return list(opt.variables) + hidden
 
-    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
+    ) -> None:
+        # No `masking`: tf_keras optimizers are not split (`masks_writes`).
         opt = self.optimizer
         if tf.executing_eagerly() and hasattr(opt, "_u_product_counter"):
             # Nadam also keeps a Python counter: run eagerly, it says for
@@ -203,7 +206,10 @@ class TfKerasV2Family(_TfKerasFamily):
         # `iterations`, hyperparameters and slots; `variables` is a method.
         return list(self.optimizer.variables())
 
-    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
+    ) -> None:
+        # No `masking`: tf_keras optimizers are not split (`masks_writes`).
         self.optimizer.apply_gradients(list(zip(grads, variables)), **options)
 
     def minimize(
