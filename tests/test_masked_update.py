@@ -108,7 +108,10 @@ def _train(strategy, make_optimizer, n, global_batch, barrier=None, eager=False,
 
 
 def _two_cpus():
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # Reduced on one device, not by collectives: the collective keys of
+    # several MirroredStrategy objects in one process meet (see
+    # `tests.helpers.distribute.mirrored`).
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice())
 
 
 def _one_device():

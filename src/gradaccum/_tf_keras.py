@@ -7,8 +7,8 @@ Two optimizer families ship with `tf_keras`:
 - `tf_keras.optimizers.legacy.Optimizer` (`OptimizerV2`), whose updates run
   in fused kernels (`ResourceApplyAdam`, ...) on the raw variable handles.
 
-Neither exposes a hook around its variable writes, so the masked update
-snapshots their state (`masks_writes = False`): it reads every variable an
+Neither's update is split into its all-reduce and its writes, so the masked
+update snapshots their state (`masks_writes = False`): it reads every variable an
 update can touch before the update and selects between old and new values
 after it, so fused kernels, weight decay, EMA and constraints are all rolled
 back alike on the in-between micro-steps.

@@ -5,12 +5,13 @@ adds its micro-gradients into its own replica-local accumulators, without
 communication, and every replica advances the mirrored counters alike. The
 update of the step that ends a cycle runs one of two ways (`updates`):
 
-- `"masked"`: the wrapped optimizer's update runs on every micro-step and
-  takes effect only on the apply step, with no branch around anything that
-  synchronises replicas (its all-reduce, clipping and merge calls run every
-  micro-step; a Keras 3 optimizer's per-variable arithmetic only on the
-  apply step). The accumulators are divided in place on the apply step, so
-  the update reads them directly.
+- `"masked"`: the wrapped optimizer's update runs on every micro-step up to
+  its merge call (clipping, all-reduce), with no branch around anything
+  that synchronises replicas; a Keras 3 optimizer's writes (weight decay,
+  `update_step`, moving averages, constraints, `iterations`) run in one
+  branch, taken on the apply step. Traced, the accumulators are divided in
+  place on the apply step, so the update reads them directly; eagerly,
+  into new tensors, so an update that raises leaves the sums.
 - `"skip"`: the update runs only on the apply step, decided in
   cross-replica context, so replicas all-reduce once per cycle.
 """
