@@ -80,6 +80,10 @@ def one(variables: int, rounds: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(B * steps, WIDTH)).astype("float32")
     y = rng.normal(size=(B * steps, WIDTH)).astype("float32")
+    # What the process pays once (the first trace of all), paid before timing.
+    warm = make_model(1)
+    warm.compile(optimizer=make_optimizer("masked"), loss="mse")
+    warm.fit(x[: B * N], y[: B * N], batch_size=B, shuffle=False, verbose=0)
     times: dict = {name: {"first_epoch_s": [], "micro_step_s": []} for name in VARIANTS}
     for r in range(rounds):
         for name in rotated(VARIANTS, r):
