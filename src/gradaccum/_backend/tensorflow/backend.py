@@ -187,7 +187,7 @@ class TensorFlowBackend:
             # Read here, in this replica's own context.
             conditions = _conditions(update)
             family = update.family
-            if updates.splits(family.optimizer, family.strategy(), True):
+            if family.masks_writes and updates.splits(family.optimizer, family.strategy(), True):
                 update.apply(values, divisor, masking=updates.Masking(None, conditions))
                 return
             _warn_conditions(family)
