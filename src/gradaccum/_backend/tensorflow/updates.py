@@ -204,10 +204,15 @@ def split_apply(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], 
     scale = optimizer.loss_scale_factor
     parts = [grads[k] if d or scale is None else grads[k] / scale for k, d in zip(present, direct)]
     clipped = optimizer._clip_gradients([g for g, d in zip(parts, direct) if not d])
-    pairs = optimizer._all_reduce_sum_gradients(
-        [(g, tf_variable(variables[k])) for g, k in zip(clipped, [k for k, d in zip(present, direct) if not d])]
-    )
-    reduced = iter(g for g, _ in pairs)
+    strategy = optimizer._distribution_strategy
+    if strategy.num_replicas_in_sync > 1:
+        pairs = optimizer._all_reduce_sum_gradients(
+            [(g, tf_variable(variables[k])) for g, k in zip(clipped, [k for k, d in zip(present, direct) if not d])]
+        )
+        clipped = [g for g, _ in pairs]
+    # On one replica the sum is the gradient itself: its all-reduce, ops that
+    # copy each gradient, is left out.
+    reduced = iter(clipped)
     values = [parts[j] if d else next(reduced) for j, d in enumerate(direct)]
     conditions = [masking.conditions.get(k) for k in present]
     keep = [] if masking.keep_new is None else [masking.keep_new]
@@ -227,7 +232,6 @@ def split_apply(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], 
         else:
             run()
 
-    strategy = optimizer._distribution_strategy
     in_cross_replica(strategy, writes, values, keep, condition_values)
 
 
