@@ -55,8 +55,9 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
     # in float32, not in place in bfloat16.
     compensated = {k: state.compensations[i] for k, i in enumerate(included) if state.compensated(i)}
 
-    def apply(values: list[Any], divisor: Any = divisor) -> None:
-        # `divisor`: a skipped update's branch input on TensorFlow.
+    def apply(values: list[Any], divisor: Any = divisor, masking: Any = None) -> None:
+        # `divisor`: a skipped update's branch input on TensorFlow;
+        # `masking`: when the update's writes take effect (`Update.apply`).
         values = list(values)
         for k, compensation in compensated.items():
             total = ops.cast(values[k], "float32") - ops.cast(backend.read(compensation), "float32")
@@ -65,7 +66,7 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
         for k, held in kept.items():
             sliced = backend.kept_slices(held, divisor)
             grads[k] = grads[k] if sliced is None else sliced
-        deliver(core, grads, variables, core.options)
+        deliver(core, grads, variables, core.options, masking)
 
     accumulators = [state.accumulators[i] for i in included]
     update = Update(
@@ -104,7 +105,9 @@ def _held(backend: Any, state: Any, i: int) -> Any:
     return backend.read(state.accumulators[i])
 
 
-def deliver(core: Any, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+def deliver(
+    core: Any, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
+) -> None:
     """Hands a whole update's gradients to the wrapped optimizer.
 
     Clips them first as one device training on the large batch would: AGC
@@ -126,7 +129,7 @@ def deliver(core: Any, grads: Sequence[Any], variables: Sequence[Any], options: 
             return summed if clip is None else clip(summed)
 
         grads = backend.clip_as_one_device(grads, clip_sum) if replicas > 1 else clip_sum(grads)
-    family.apply(grads, variables, options)
+    family.apply(grads, variables, options, masking)
 
 
 def _divisor(core: Any) -> Any:

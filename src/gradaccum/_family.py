@@ -22,14 +22,14 @@ class OptimizerFamily(Protocol):
 
     # For messages: "Keras 3", "tf_keras", ...
     name: ClassVar[str]
-    # Whether every state change of the optimizer (update steps, weight
-    # decay, EMA, constraints, the step counter) is a call of a TensorFlow
-    # variable's write method, so that the masked update can mask each write
-    # instead of snapshotting all state (see `gradaccum._backend`).
+    # Whether the optimizer's update can be split into what synchronises
+    # replicas and what writes (`apply` takes a `masking`), so that the
+    # masked update runs the writes in one branch instead of snapshotting
+    # all state (see `gradaccum._backend.tensorflow.updates`).
     masks_writes: ClassVar[bool]
     # With `masks_writes`: the name of the optimizer's method that updates
-    # one variable and synchronises nothing, which the masked update then
-    # runs only on apply steps (see `gradaccum._backend`); None if it has
+    # one variable and synchronises nothing, so that a variable without a
+    # gradient in the cycle can be left out at run time; None if it has
     # none such.
     per_variable_update: ClassVar[str | None]
     # Whether the optimizer creates its per-variable state lazily, so that a
@@ -79,8 +79,12 @@ class OptimizerFamily(Protocol):
     def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:
         """The extra `apply_gradients` keyword arguments, checked."""
 
-    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
-        """The optimizer's own update, with what `apply_options` returned."""
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
+    ) -> None:
+        """The optimizer's own update, with what `apply_options` returned;
+        with a `masking` (only where `masks_writes`), its writes take effect
+        only as that says (`gradaccum._backend.tensorflow.updates.Masking`)."""
 
     def replica_clip(self) -> Callable[[list[Any]], list[Any]] | None:
         """The optimizer's clipping of a summed gradient, if it clips each

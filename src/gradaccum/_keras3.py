@@ -17,8 +17,8 @@ class Keras3Family(FamilyBase):
     """`keras.optimizers.Optimizer`, and Keras's `LossScaleOptimizer` around one."""
 
     name = "Keras 3"
-    # Every state change of a Keras 3 optimizer is a write method call on a
-    # TensorFlow variable (see `OptimizerFamily.masks_writes`).
+    # Its `apply` splits into all-reduce and writes on TensorFlow (see
+    # `OptimizerFamily.masks_writes`).
     masks_writes = True
     # Runs per variable inside `extended.update`, after the all-reduce.
     per_variable_update = "update_step"
@@ -99,9 +99,16 @@ class Keras3Family(FamilyBase):
 
         return distribution.tf_variable(variable)
 
-    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
+    ) -> None:
         # `options` is always empty (`apply_options` accepts none).
-        self.optimizer.apply(list(grads), list(variables))
+        if masking is None:
+            self.optimizer.apply(list(grads), list(variables))
+            return
+        from gradaccum._backend.tensorflow import updates
+
+        updates.split_apply(self.optimizer, list(grads), list(variables), masking)
 
     def gradient_scale(self) -> Any:
         return getattr(self.optimizer, "loss_scale_factor", None)

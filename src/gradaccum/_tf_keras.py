@@ -7,8 +7,8 @@ Two optimizer families ship with `tf_keras`:
 - `tf_keras.optimizers.legacy.Optimizer` (`OptimizerV2`), whose updates run
   in fused kernels (`ResourceApplyAdam`, ...) on the raw variable handles.
 
-Neither exposes a hook around its variable writes, so the masked update
-snapshots their state (`masks_writes = False`): it reads every variable an
+Neither's update is split into its all-reduce and its writes, so the masked
+update snapshots their state (`masks_writes = False`): it reads every variable an
 update can touch before the update and selects between old and new values
 after it, so fused kernels, weight decay, EMA and constraints are all rolled
 back alike on the in-between micro-steps.
@@ -140,7 +140,10 @@ class TfKerasFamily(_TfKerasFamily):
         hidden = [v for v in vars(opt).values() if isinstance(v, tf.Variable)]
         return list(opt.variables) + hidden
 
-    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
+    ) -> None:
+        # No `masking`: tf_keras optimizers are not split (`masks_writes`).
         opt = self.optimizer
         if tf.executing_eagerly() and hasattr(opt, "_u_product_counter"):
             # Nadam also keeps a Python counter: run eagerly, it says for
@@ -203,7 +206,10 @@ class TfKerasV2Family(_TfKerasFamily):
         # `iterations`, hyperparameters and slots; `variables` is a method.
         return list(self.optimizer.variables())
 
-    def apply(self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any]) -> None:
+    def apply(
+        self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
+    ) -> None:
+        # No `masking`: tf_keras optimizers are not split (`masks_writes`).
         self.optimizer.apply_gradients(list(zip(grads, variables)), **options)
 
     def minimize(

@@ -128,7 +128,9 @@ class Update(NamedTuple):
             maximum, see `gradaccum._core`).
         divisor: The mean's scalar divisor, or None for `"sum"`.
         apply: Runs the wrapped optimizer's update, given each
-            accumulator's (divided) value.
+            accumulator's (divided) value; a backend may hand it a
+            `masking` too, which reaches the family's `apply` (on
+            TensorFlow: when the update's writes take effect).
         family: The wrapped optimizer's family.
         variables: Every variable the optimizer is built for.
         taking_part: The variables of `accumulators`.

@@ -5,12 +5,13 @@ adds its micro-gradients into its own replica-local accumulators, without
 communication, and every replica advances the mirrored counters alike. The
 update of the step that ends a cycle runs one of two ways (`updates`):
 
-- `"masked"`: the wrapped optimizer's update runs on every micro-step and
-  takes effect only on the apply step, with no branch around anything that
-  synchronises replicas (its all-reduce, clipping and merge calls run every
-  micro-step; a Keras 3 optimizer's per-variable arithmetic only on the
-  apply step). The accumulators are divided in place on the apply step, so
-  the update reads them directly.
+- `"masked"`: the wrapped optimizer's update runs on every micro-step up to
+  its merge call (clipping, all-reduce), with no branch around anything
+  that synchronises replicas; a Keras 3 optimizer's writes (weight decay,
+  `update_step`, moving averages, constraints, `iterations`) run in one
+  branch, taken on the apply step. Traced, the accumulators are divided in
+  place on the apply step, so the update reads them directly; eagerly,
+  into new tensors, so an update that raises leaves the sums.
 - `"skip"`: the update runs only on the apply step, decided in
   cross-replica context, so replicas all-reduce once per cycle.
 """
@@ -18,6 +19,7 @@ update of the step that ends a cycle runs one of two ways (`updates`):
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -152,26 +154,20 @@ class TensorFlowBackend:
             self._skipped(update)
 
     def _masked(self, update: Update) -> None:
-        divided = [a for a, d in zip(update.accumulators, update.divided) if d]
-        if update.divisor is not None and divided:
-            tensors.divide_if(update.ends, divided, update.divisor)
+        values = _quotients(update)
         family = update.family
+        conditions = _conditions(update)
+        strategy = family.strategy()
+        if family.masks_writes and updates.splits(family.optimizer, strategy, bool(conditions)):
+            update.apply(values, masking=updates.Masking(update.ends, conditions))
+            return
+        if conditions:
+            _warn_conditions(family)
         # Every variable the optimizer was built for, not only those in this
         # update: with `ema_overwrite_frequency` Keras overwrites all of them
         # with their moving averages, gradient or not.
         tracked = family.state_variables() + [family.model_variable(v) for v in update.variables]
-        per_variable = None
-        if family.per_variable_update is not None:
-            per_variable = (family.optimizer, family.per_variable_update)
-        updates.masked_update(
-            family.strategy(),
-            update.ends,
-            tracked,
-            lambda: update.apply(_read(update.accumulators)),
-            masks_writes=family.masks_writes,
-            per_variable=per_variable,
-            conditions=_conditions(update),
-        )
+        updates.snapshot_update(strategy, update.ends, tracked, lambda: update.apply(values))
 
     def _skipped(self, update: Update) -> None:
         # Read here and handed to the branch: a branch that touches a
@@ -191,11 +187,11 @@ class TensorFlowBackend:
             # Read here, in this replica's own context.
             conditions = _conditions(update)
             family = update.family
-            model = [family.model_variable(update.taking_part[k]) for k in update.conditions]
-            with updates.masking_writes(model, tf.constant(True), conditions), updates.skipping_each(
-                family.optimizer, family.per_variable_update, tf.constant(True), conditions
-            ), updates.overwriting_all(family.optimizer):
-                update.apply(values, divisor)
+            if family.masks_writes and updates.splits(family.optimizer, family.strategy(), True):
+                update.apply(values, divisor, masking=updates.Masking(None, conditions))
+                return
+            _warn_conditions(family)
+            update.apply(values, divisor)
 
         inputs = [values] if update.divisor is None else [values, update.divisor]
         updates.skipped_update(update.ends, apply, *inputs)
@@ -302,14 +298,39 @@ class TensorFlowBackend:
 
 
 def _conditions(update: Update) -> dict[int, tf.Tensor]:
-    """The update's conditions by the id of each copy of their model variable."""
-    family = update.family
-    out = {}
-    for k, condition in update.conditions.items():
-        condition = condition() if callable(condition) else condition
-        for copy in distribution.copies(family.model_variable(update.taking_part[k])):
-            out[id(copy)] = condition
-    return out
+    """The update's conditions, read now, by position in its variables."""
+    return {k: condition() if callable(condition) else condition for k, condition in update.conditions.items()}
+
+
+def _warn_conditions(family: Any) -> None:
+    warnings.warn(
+        f"{type(family.optimizer).__name__} overrides how Keras applies an update, so under this "
+        "distribution strategy gradaccum cannot leave out of the cycle's update a variable that "
+        "received no gradient in the cycle: it is updated with the gradient 0 (the large batch "
+        "would leave it as it is). Give every variable a gradient on every micro-step, or use "
+        "one of Keras's optimizers.",
+        stacklevel=2,
+    )
+
+
+def _quotients(update: Update) -> list[tf.Tensor]:
+    """The accumulators' values, the divided ones divided on the apply step.
+
+    Traced, divided in place on the apply step, so the update reads the
+    quotients without a second copy of the sums. Eagerly the step is known:
+    divided into new tensors, which costs the same, and an update that
+    raises leaves the sums as they were.
+    """
+    divided = [d and update.divisor is not None for d in update.divided]
+    if tf.executing_eagerly():
+        values = _read(update.accumulators)
+        if not bool(update.ends):
+            return values
+        return [v / tf.cast(update.divisor, v.dtype) if d else v for v, d in zip(values, divided)]
+    in_place = [a for a, d in zip(update.accumulators, divided) if d]
+    if in_place:
+        tensors.divide_if(update.ends, in_place, update.divisor)
+    return _read(update.accumulators)
 
 
 def _read(accumulators: Sequence[Any]) -> list[tf.Tensor]:

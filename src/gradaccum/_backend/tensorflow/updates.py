@@ -1,35 +1,31 @@
 """Running the wrapped optimizer's update on a micro-step: masked or skipped.
 
-Masked (`masked_update`): the update runs on every micro-step and keeps its
-effect only on the apply step. On an in-between step every trainable
-variable and every optimizer variable (moments, counters, EMA copies,
-whatever the optimizer created) ends exactly where it started, bit for bit.
-No branch encloses the update, so the optimizer's own replica
-synchronisation (all-reduce, `merge_call`) runs unconditionally and
-identically on every replica. Two ways to mask, chosen by the optimizer
-family (`masks_writes`):
+Masked, for Keras 3 optimizers (`split_apply`): everything of the update
+that synchronises replicas runs on every micro-step, and everything that
+writes runs in one branch, taken on the apply step only. The optimizer's
+`apply` is run in two parts:
 
-- Masked writes (`masking_writes`), for optimizers whose every state change
-  goes through a write method of a TensorFlow variable (`assign`,
-  `assign_add`, `assign_sub`, `scatter_*`), as Keras 3 optimizers' do. While
-  the update runs, each of those writes to a tracked variable happens only
-  if `keep_new`: `tf.cond(keep_new, write, nothing)` around that one write,
-  whose value is computed unconditionally. Nothing is copied ahead of the
-  update, and an in-between step writes nothing. Where the optimizer has a
-  method that updates one variable and synchronises nothing (Keras 3's
-  `update_step`, which runs per variable after the all-reduce, inside
-  `extended.update`), that method runs only if `keep_new`
-  (`skipping_each`): an in-between step skips the update's arithmetic, the
-  bulk of its cost, while everything around it that may synchronise
-  (all-reduce, clipping, merge calls) still runs on every micro-step.
-- Snapshot and select (`snapshot_update`), for optimizers that write through
-  fused kernels on raw variable handles: the values of every tracked
-  variable are read before the update and selected after it. This keeps one
-  copy of all of them alive until the select.
+    replica context:  unscale, clip, all-reduce            (every micro-step)
+    merge call:       tf.cond(keep_new, writes, no-op)      (every micro-step)
+    writes:           weight decay, `update_step` of each variable (through
+                      `extended.update`), moving averages and their
+                      overwrite, constraints, `iterations`
 
-Selecting or skipping a write, rather than multiplying by 0/1, means a
-non-finite value in the discarded update cannot leak into the kept one
-(0 x inf is NaN).
+The merge call is taken on every replica (where the strategy needs none,
+the branch is taken in replica context, as Keras does); the branch holds no
+collective, and one branch serves the whole update whatever the number of
+variables, as Keras's own `gradient_accumulation_steps` has. A variable that
+received no gradient in the cycle (`Masking.conditions`) has its weight
+decay, update and constraint in a branch of its own. Nothing is patched and
+nothing is kept between calls: two optimizers may update at the same time
+in two threads.
+
+Snapshot and select (`snapshot_update`), for optimizers whose update cannot
+be split so (tf_keras's `OptimizerV2`, whose kernels are fused, and Keras 3
+optimizers that override the parts above under a strategy that needs merge
+calls): the values of every tracked variable are read before the update and
+selected after it. This keeps one copy of all of them alive until the
+select.
 
 Skipped (`skipped_update`): the update runs only if `keep_new`. A `tf.cond`
 in replica context must not enclose a `merge_call`, and the wrapped
@@ -41,61 +37,20 @@ context inside the branch, as Keras's `LossScaleOptimizer` does:
     merge_call -> tf.cond(keep_new, call_for_each_replica(update), no-op)
 
 Each replica computes the same `keep_new` (from the mirrored micro-step
-counter), so every replica takes the same branch.
+counter), so every replica takes the same branch. Selecting or skipping,
+rather than multiplying by 0/1, means a non-finite value in the discarded
+update cannot leak into the kept one (0 x inf is NaN).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from gradaccum import _patches
-from gradaccum._backend.tensorflow.distribution import assign_each, copies, in_cross_replica
+from gradaccum._backend.tensorflow.distribution import assign_each, in_cross_replica, tf_variable
 from gradaccum._backend.tensorflow.tensors import nothing, select
-
-
-def masked_update(
-    strategy: tf.distribute.Strategy,
-    keep_new: tf.Tensor,
-    state: Sequence[tf.Variable],
-    update: Callable[[], Any],
-    masks_writes: bool = False,
-    per_variable: tuple[Any, str] | None = None,
-    conditions: dict[int, tf.Tensor] | None = None,
-) -> None:
-    """Runs `update()`, then keeps its effect on `state` only if `keep_new`.
-
-    Args:
-        strategy: The distribution strategy that owns `state`.
-        keep_new: Scalar boolean tensor (identical on every replica).
-        state: TensorFlow variables `update` may write. Anything it writes
-            outside this list is not rolled back.
-        update: Runs the real update in the current (replica) context.
-        masks_writes: Whether every write `update` makes goes through a
-            variable's write methods, so each write can be masked where it
-            happens (no copy of `state`). Otherwise `state` is snapshotted.
-        per_variable: With `masks_writes`, `(optimizer, name)` of the
-            optimizer's method that updates one variable and synchronises
-            nothing; it runs only if `keep_new` (see `skipping_each`).
-        conditions: With `per_variable`, further conditions by the id of a
-            variable (each replica's copy): its update and its writes take
-            effect only if its condition holds too.
-    """
-    if masks_writes:
-        skipping = contextlib.nullcontext()
-        if per_variable is not None:
-            skipping = skipping_each(*per_variable, keep_new, conditions)
-        overwriting = contextlib.nullcontext()
-        if conditions and per_variable is not None:
-            overwriting = overwriting_all(per_variable[0])
-        with masking_writes(state, keep_new, conditions), skipping, overwriting:
-            update()
-    else:
-        snapshot_update(strategy, keep_new, state, update)
 
 
 def skipped_update(keep_new: tf.Tensor, update: Callable[..., Any], *args: Any) -> None:
@@ -169,202 +124,194 @@ def snapshot_update(
 
 
 # ----------------------------------------------------------------------
-# Masked writes: each write happens only if `keep_new`.
-
-# The write methods of `tf.Variable`.
-WRITES = (
-    "assign",
-    "assign_add",
-    "assign_sub",
-    "scatter_add",
-    "scatter_sub",
-    "scatter_max",
-    "scatter_min",
-    "scatter_mul",
-    "scatter_div",
-    "scatter_update",
-    "batch_scatter_update",
-    "scatter_nd_add",
-    "scatter_nd_sub",
-    "scatter_nd_update",
-    "scatter_nd_max",
-    "scatter_nd_min",
-)
+# A Keras 3 optimizer's update, split: synchronisation, then one branch.
 
 
-class _Mask:
-    """Patches that make calls take effect only if `keep_new`, shared by
-    every replica thread that masks the same object (see `_shared`)."""
+class Masking(NamedTuple):
+    """When a split update's writes take effect.
 
-    def __init__(self) -> None:
-        self.users = 0
-        self._patches: list[_patches.Patch] = []
-
-    def remove(self) -> None:
-        for patch in self._patches:
-            patch.remove()
-
-
-class _WriteMask(_Mask):
-    """The write methods of one TensorFlow variable, masked by `keep_new`.
-
-    A masked write is `tf.cond(keep_new, write, nothing)`. The branch holds
-    that one write and nothing that synchronises replicas; the value it
-    writes is computed outside, unconditionally. Selecting between the new
-    and the current value instead would assign a variable its own buffer on
-    every in-between step, which TensorFlow does by copying it.
+    Attributes:
+        keep_new: Scalar boolean tensor, identical on every replica: the
+            writes happen only if it holds. None where the caller's own
+            branch decided already (skip mode).
+        conditions: By position in the update's variables, a scalar boolean
+            tensor: that variable's weight decay, update and constraint
+            happen only if it holds too (it received a gradient in the
+            cycle).
     """
 
-    def __init__(self, variable: tf.Variable, keep_new: tf.Tensor, base: tf.Tensor | None = None):
-        super().__init__()
-
-        def masked_write(write: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-            def run() -> None:
-                write(*args, **kwargs)
-
-            # Overwriting with the moving averages, Keras writes every
-            # variable, gradient or not: only the update's own condition.
-            keep = base if base is not None and _OVERWRITING[0] > 0 else keep_new
-            tf.cond(keep, run, nothing)
-            return variable
-
-        self._patches = [
-            _patches.Patch(variable, name, masked_write)
-            for name in WRITES
-            if hasattr(variable, name)
-        ]
+    keep_new: Any
+    conditions: dict[int, Any]
 
 
-class _CallMask(_Mask):
-    """One method of an object, run only if `keep_new` (its result dropped).
-
-    The method must synchronise nothing: the branch is taken per replica
-    (or per device, inside `extended.update`).
-    """
-
-    def __init__(self, owner: Any, name: str, keep_new: tf.Tensor, conditions: dict[int, tf.Tensor] | None = None):
-        super().__init__()
-        conditions = conditions or {}
-
-        def only_if_kept(method: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> None:
-            def run() -> None:
-                method(*args, **kwargs)
-
-            # `update_step(gradient, variable, learning_rate)`.
-            variable = args[1] if len(args) > 1 else kwargs.get("variable")
-            condition = conditions.get(id(variable))
-            tf.cond(keep_new if condition is None else tf.logical_and(keep_new, condition), run, nothing)
-
-        self._patches = [_patches.Patch(owner, name, only_if_kept)]
+# The methods of a Keras 3 optimizer whose work `split_apply` does itself:
+# an optimizer class that overrides one of them is updated by snapshot.
+_SPLIT = ("apply", "_backend_apply_gradients", "_all_reduce_sum_gradients", "_distributed_tf_update_step",
+          "_update_model_variables_moving_average", "_overwrite_model_variables_with_average_value")
 
 
-# What is masked now, by the id of the masked object. Under
-# `MirroredStrategy` every replica thread masks the same variables (and the
-# same optimizer) and the optimizer writes them from a `merge_call` in yet
-# another thread, so the masks are shared and counted; every replica's
-# `keep_new` has the same value, so the first one serves all.
-MASKS: dict[int, _Mask] = {}
-_MASKS_LOCK = threading.Lock()
+def splits(optimizer: Any, strategy: tf.distribute.Strategy, conditioned: bool) -> bool:
+    """Whether `split_apply` runs `optimizer`'s update as its `apply` does.
 
+    An optimizer may override `_backend_update_step` (Nadam writes a
+    product before calling its parent's) and `_apply_weight_decay` (Muon);
+    `split_apply` then calls them inside the branch. That is sound only in
+    replica context (no merge call needed), and for `_backend_update_step`
+    only on one replica (its all-reduce then adds nothing) and for an update
+    whose every variable received a gradient (`conditioned` False: it
+    updates all its variables in one call).
 
-@contextlib.contextmanager
-def _shared(objects: Sequence[Any], make: Callable[[Any], _Mask]) -> Iterator[None]:
-    """Within the block, each of `objects` is masked by `make(object)`, or by
-    the mask another thread made for it and still holds."""
-    with _MASKS_LOCK:
-        for o in objects:
-            mask = MASKS.get(id(o))
-            if mask is None:
-                mask = MASKS[id(o)] = make(o)
-            mask.users += 1
-    try:
-        yield
-    finally:
-        with _MASKS_LOCK:
-            for o in objects:
-                mask = MASKS[id(o)]
-                mask.users -= 1
-                if mask.users == 0:
-                    mask.remove()
-                    del MASKS[id(o)]
-
-
-def _leaf_variables(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
-    """The variables writes reach: each replica's copy of a distributed one."""
-    return _unique([copy for v in variables for copy in copies(v)])
-
-
-def masking_writes(
-    variables: Sequence[tf.Variable], keep_new: tf.Tensor, conditions: dict[int, tf.Tensor] | None = None
-) -> contextlib.AbstractContextManager:
-    """Within the block, writes to `variables` take effect only if `keep_new`
-    (and, for a variable in `conditions`, by the id of a leaf copy, its
-    condition).
+    Asked where the update runs (in replica context, under `strategy`).
 
     Args:
-        variables: TensorFlow variables (plain or distributed).
-        keep_new: Scalar boolean tensor.
-        conditions: Further conditions by the id of a leaf variable.
+        optimizer: A Keras 3 optimizer on TensorFlow.
+        strategy: The strategy it was created under.
+        conditioned: Whether some variable's update has a condition.
     """
-    conditions = conditions or {}
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    def mask(v: tf.Variable) -> _WriteMask:
-        condition = conditions.get(id(v))
-        if condition is None:
-            return _WriteMask(v, keep_new)
-        return _WriteMask(v, tf.logical_and(keep_new, condition), base=keep_new)
-
-    return _shared(_leaf_variables(variables), mask)
-
-
-# How many calls are overwriting the model's variables with their moving
-# averages (`ema_overwrite_frequency`) now. A count, not a thread-local flag:
-# under a strategy the writes run in a merge call's thread, while each
-# replica's thread waits inside the call.
-_OVERWRITING = [0]
+    cls = type(optimizer)
+    for name in _SPLIT:
+        if getattr(cls, name, None) not in (getattr(TFOptimizer, name, None), getattr(BaseOptimizer, name, None)):
+            return False
+    own_step = cls._backend_update_step is not TFOptimizer._backend_update_step
+    own_decay = cls._apply_weight_decay is not TFOptimizer._apply_weight_decay
+    if not tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return not (own_step or own_decay)
+    return not own_step or (strategy.num_replicas_in_sync == 1 and not conditioned)
 
 
-@contextlib.contextmanager
-def overwriting_all(optimizer: Any) -> Iterator[None]:
-    """Within the block, the optimizer's overwrite of the model variables
-    with their moving averages is held back by the update's condition only,
-    not by a variable's own: as in the large batch, Keras overwrites every
-    variable, whether it received a gradient or not."""
-    name = "_overwrite_model_variables_with_average_value"
-    if not hasattr(optimizer, name):
-        yield
+def split_apply(optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], masking: Masking) -> None:
+    """`optimizer.apply(grads, variables)` with its writes in one branch.
+
+    Called in replica context (or with no strategy). The optimizer must be
+    built for `variables` and `splits` must hold.
+
+    Args:
+        optimizer: A Keras 3 optimizer on TensorFlow.
+        grads: One gradient per variable, or None (left out, as `apply`
+            leaves it out).
+        variables: Keras variables.
+        masking: When the writes take effect.
+    """
+    present = [k for k, g in enumerate(grads) if g is not None]
+    if not present:
+        return
+    direct = [optimizer._overwrite_variable_with_gradient(variables[k]) for k in present]
+    # A variable overwritten with its gradient takes it as it comes: not
+    # unscaled, clipped nor all-reduced (as in `apply`).
+    scale = optimizer.loss_scale_factor
+    parts = [grads[k] if d or scale is None else grads[k] / scale for k, d in zip(present, direct)]
+    clipped = optimizer._clip_gradients([g for g, d in zip(parts, direct) if not d])
+    strategy = optimizer._distribution_strategy
+    if strategy.num_replicas_in_sync > 1:
+        pairs = optimizer._all_reduce_sum_gradients(
+            [(g, tf_variable(variables[k])) for g, k in zip(clipped, [k for k, d in zip(present, direct) if not d])]
+        )
+        clipped = [g for g, _ in pairs]
+    # On one replica the sum is the gradient itself: its all-reduce, ops that
+    # copy each gradient, is left out.
+    reduced = iter(clipped)
+    values = [parts[j] if d else next(reduced) for j, d in enumerate(direct)]
+    conditions = [masking.conditions.get(k) for k in present]
+    keep = [] if masking.keep_new is None else [masking.keep_new]
+    condition_values = [c for c in conditions if c is not None]
+
+    def writes(distribution: tf.distribute.Strategy, values: list, keep: list, condition_values: list) -> None:
+        first = distribution.experimental_local_results
+        held = iter([first(c)[0] for c in condition_values])
+        entries = [(k, g, d, None if c is None else next(held))
+                   for k, g, d, c in zip(present, values, direct, conditions)]
+
+        def run() -> None:
+            _writes(optimizer, distribution, variables, entries)
+
+        if keep:
+            tf.cond(first(keep[0])[0], run, nothing)
+        else:
+            run()
+
+    in_cross_replica(strategy, writes, values, keep, condition_values)
+
+
+def _writes(optimizer: Any, distribution: tf.distribute.Strategy, variables: Sequence[Any], entries: list) -> None:
+    """The writes of `apply`, in its order (`entries`: position, gradient,
+    whether overwritten with it, condition or None)."""
+    for k, g, direct, condition in entries:
+        if direct:
+            target = tf_variable(variables[k])
+            _only_if(condition, lambda v=target, g=g: distribution.extended.update(v, _assign, args=(g,), group=False))
+    updated = [(k, g, c) for k, g, d, c in entries if not d]
+    learning_rate = optimizer.learning_rate
+    always = [variables[k] for k, _, c in updated if c is None]
+    _weight_decay(optimizer, distribution, always)
+    _update_step(optimizer, distribution, [(g, variables[k]) for k, g, c in updated if c is None], learning_rate)
+    for k, g, c in updated:
+        if c is not None:
+            def one(v: Any = variables[k], g: Any = g) -> None:
+                _weight_decay(optimizer, distribution, [v])
+                _update_step(optimizer, distribution, [(g, v)], learning_rate)
+
+            tf.cond(c, one, nothing)
+    if optimizer.use_ema:
+        optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+        if optimizer.ema_overwrite_frequency:
+            # Every variable, gradient or not, as `apply` overwrites them.
+            overwrite = tf.equal((optimizer.iterations + 1) % optimizer.ema_overwrite_frequency, 0)
+            tf.cond(overwrite, lambda: optimizer._overwrite_model_variables_with_average_value(
+                optimizer._trainable_variables), nothing)
+    for k, _, c in updated:
+        v = variables[k]
+        if v.constraint is not None:
+            _only_if(c, lambda v=v: v.assign(v.constraint(v)))
+    optimizer._iterations.assign_add(1)
+
+
+def _assign(variable: tf.Variable, value: Any) -> None:
+    variable.assign(tf.cast(value, variable.dtype))
+
+
+def _only_if(condition: Any, fn: Callable[[], Any]) -> None:
+    if condition is None:
+        fn()
+    else:
+        tf.cond(condition, lambda: (fn(), None)[1], nothing)
+
+
+def _weight_decay(optimizer: Any, distribution: tf.distribute.Strategy, variables: list) -> None:
+    """The optimizer's weight decay of `variables`: Keras's own for
+    TensorFlow, without its merge call (this runs where that call leads)."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if not variables:
+        return
+    if type(optimizer)._apply_weight_decay is not TFOptimizer._apply_weight_decay:
+        optimizer._apply_weight_decay(variables)
+        return
+    if optimizer.weight_decay is None:
         return
 
-    def flagged(method: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
-        with _MASKS_LOCK:
-            _OVERWRITING[0] += 1
-        try:
-            return method(*args, **kwargs)
-        finally:
-            with _MASKS_LOCK:
-                _OVERWRITING[0] -= 1
+    def decay(variable: tf.Variable) -> None:
+        if optimizer._use_weight_decay(variable):
+            lr = tf.cast(optimizer.learning_rate, variable.dtype)
+            wd = tf.cast(optimizer.weight_decay, variable.dtype)
+            variable.assign_sub(variable * wd * lr)
 
-    patch = _patches.Patch(optimizer, name, flagged)
-    try:
-        yield
-    finally:
-        patch.remove()
+    for variable in variables:
+        distribution.extended.update(tf_variable(variable), decay, group=False)
 
 
-def skipping_each(
-    owner: Any, name: str, keep_new: tf.Tensor, conditions: dict[int, tf.Tensor] | None = None
-) -> contextlib.AbstractContextManager:
-    """Within the block, calls of `owner.name` run only if `keep_new`.
+def _update_step(optimizer: Any, distribution: tf.distribute.Strategy, pairs: list, learning_rate: Any) -> None:
+    """The optimizer's `update_step` of each pair, as its
+    `_backend_update_step` runs it after the all-reduce."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
-    On an in-between step nothing of the method runs: its arithmetic is
-    skipped, not only its writes. That is sound only for a method that
-    synchronises nothing, such as Keras 3's `update_step`.
-
-    Args:
-        owner: The object whose method is masked (an optimizer).
-        name: The method's name.
-        keep_new: Scalar boolean tensor.
-        conditions: Further conditions by the id of the variable the method
-            is called for (its second argument).
-    """
-    return _shared([owner], lambda o: _CallMask(o, name, keep_new, conditions))
+    if not pairs:
+        return
+    if type(optimizer)._backend_update_step is not TFOptimizer._backend_update_step:
+        # Runs in replica context (see `splits`); its all-reduce of the
+        # reduced gradients is then the identity of one replica's.
+        optimizer._backend_update_step([g for g, _ in pairs], [v for _, v in pairs], learning_rate)
+        return
+    optimizer._distributed_tf_update_step(distribution, [(g, tf_variable(v)) for g, v in pairs], learning_rate)

@@ -1,0 +1,145 @@
+"""Time per micro-step and first epoch against the number of variables.
+
+    python benchmarks/variables.py                       # 20, 200 and 800 variables
+    python benchmarks/variables.py --variables 20 --rounds 3   # smoke run
+
+A stack of `L` `Dense(16)` layers (2L variables, tanh), Adam, n = 4, B = 32,
+`model.fit` on TensorFlow without XLA. Compared: gradaccum's default
+(`mode="masked"`), `mode="skip"`, and Keras's own
+`gradient_accumulation_steps=4`, twice ("keras (A/A)": what the run can
+resolve). Each number of variables runs in a process of its own; within
+it, every round builds each variant afresh, in an order rotated (and
+reversed every other round), and times
+
+- its first epoch: the first `fit` of one cycle, tracing included;
+- a micro-step: the median wall time of a micro-step over a second `fit`
+  of `--steps` micro-steps (the time between a batch's begin and end
+  callbacks, apply steps included).
+
+Reported per variant: the median over rounds of its ratio to Keras's option
+in the same round, with the smallest and largest ratio. `--json` writes
+every round's times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+N, B = 4, 32
+WIDTH = 16
+VARIANTS = ["keras", "keras (A/A)", "masked", "skip"]
+
+
+def make_model(layers: int):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    stack = [keras.Input((WIDTH,))]
+    stack += [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(layers)]
+    return keras.Sequential(stack)
+
+
+def make_optimizer(name: str):
+    import keras
+
+    from gradaccum import accumulate
+
+    if name.startswith("keras"):
+        return keras.optimizers.Adam(1e-3, gradient_accumulation_steps=N)
+    return accumulate(keras.optimizers.Adam(1e-3), N, mode=name)
+
+
+def rotated(items: list, r: int) -> list:
+    k = r % len(items)
+    out = items[k:] + items[:k]
+    return out[::-1] if r % 2 else out
+
+
+def one(variables: int, rounds: int, steps: int) -> dict:
+    """Every round's times for `variables` variables, in this process."""
+    import keras
+    import numpy as np
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times: list[float] = []
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.times.append(time.perf_counter() - self.start)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(B * steps, WIDTH)).astype("float32")
+    y = rng.normal(size=(B * steps, WIDTH)).astype("float32")
+    # What the process pays once (the first trace of all), paid before timing.
+    warm = make_model(1)
+    warm.compile(optimizer=make_optimizer("masked"), loss="mse")
+    warm.fit(x[: B * N], y[: B * N], batch_size=B, shuffle=False, verbose=0)
+    times: dict = {name: {"first_epoch_s": [], "micro_step_s": []} for name in VARIANTS}
+    for r in range(rounds):
+        for name in rotated(VARIANTS, r):
+            model = make_model(variables // 2)
+            model.compile(optimizer=make_optimizer(name), loss="mse")
+            start = time.perf_counter()
+            model.fit(x[: B * N], y[: B * N], batch_size=B, shuffle=False, verbose=0)
+            times[name]["first_epoch_s"].append(time.perf_counter() - start)
+            timer = Timer()
+            model.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[timer])
+            times[name]["micro_step_s"].append(statistics.median(timer.times))
+    return times
+
+
+def ratios(times: dict) -> dict:
+    """Per variant and measure: median, smallest and largest per-round ratio
+    to Keras's option."""
+    out: dict = {}
+    for name in VARIANTS[1:]:
+        out[name] = {}
+        for measure, base in times["keras"].items():
+            per_round = [a / b for a, b in zip(times[name][measure], base)]
+            out[name][measure] = (statistics.median(per_round), min(per_round), max(per_round))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variables", type=int, nargs="+", default=[20, 200, 800])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=24, help="micro-steps timed per round")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(one(args.one, args.rounds, args.steps)))
+        return
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="")
+    results = {}
+    for variables in args.variables:
+        command = [sys.executable, __file__, "--one", str(variables), "--rounds", str(args.rounds),
+                   "--steps", str(args.steps)]
+        output = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+        times = json.loads(output.strip().splitlines()[-1])
+        results[variables] = times
+        print(f"{variables} variables ({args.rounds} rounds), ratio to Keras's option: median [min, max]")
+        for name, measures in ratios(times).items():
+            cells = "  ".join(f"{m} {r[0]:.2f} [{r[1]:.2f}, {r[2]:.2f}]" for m, r in measures.items())
+            print(f"  {name:12s} {cells}")
+        base = times["keras"]
+        print(f"  keras        first epoch {statistics.median(base['first_epoch_s']):.2f} s, "
+              f"micro-step {1e3 * statistics.median(base['micro_step_s']):.2f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
