@@ -38,6 +38,7 @@ from keras import ops
 
 from gradaccum import _agc, _compensated
 from gradaccum._adaptive import NoiseScaleSchedule
+from gradaccum._atomic import unchanged_if_raised
 from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
 from gradaccum._cycle_end import deliver, end_cycle
@@ -212,8 +213,9 @@ class Core:
         weight = count if weight is None else weight
         first, steps, ends = self._position()
         state.check_unmet(ends)
-        given = self._add(grads, indices, weight, first)
-        self._finish_if(ends, steps, given)
+        with unchanged_if_raised(state, self.backend, ends):
+            given = self._add(grads, indices, weight, first)
+            self._finish_if(ends, steps, given)
 
     def _position(self) -> tuple[Any, Any, Any]:
         """`(first, steps, ends)`: whether this micro-step is its cycle's
@@ -323,7 +325,8 @@ class Core:
                 return  # an empty cycle
             ends = ops.greater(steps, 0)
         self.state.check_unmet(ends)
-        self._finish_if(ends, steps, None)
+        with unchanged_if_raised(self.state, self.backend, ends):
+            self._finish_if(ends, steps, None)
 
     # ------------------------------------------------------------------
     # The end of a cycle.

@@ -1,0 +1,115 @@
+"""A step that raises changes nothing, on every backend.
+
+The wrapped optimizer's update fails on the step that ends a cycle (one
+call of its `_backend_update_step` raises, as a plain optimizer's update
+would): the weights, the optimizer's variables, the accumulators and the
+counters are as they were before that call, as a plain optimizer leaves
+them; the same micro-batch retried then ends exactly as the large batch
+without the failure.
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+
+from gradaccum import accumulate
+from tests.helpers import (
+    BACKEND,
+    assert_states_close,
+    assert_states_equal,
+    concat,
+    fit,
+    full_state,
+    make_data,
+    make_mlp,
+    split,
+    train_steps,
+    whole_state,
+)
+
+
+class Injected(RuntimeError):
+    """The failure a test injects."""
+
+
+def fail_once(optimizer) -> None:
+    """Makes the next call of the (wrapped) optimizer's update raise
+    `Injected`; later calls run as before."""
+    inner = getattr(optimizer, "__wrapped__", optimizer)
+    original = inner._backend_update_step
+    calls = []
+
+    def update_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise Injected("the wrapped optimizer's update failed")
+        return original(*args, **kwargs)
+
+    inner._backend_update_step = update_step
+
+
+def _reference(batches, n):
+    model = make_mlp()
+    opt = keras.optimizers.Adam(1e-2)
+    opt.build(model.trainable_variables)
+    large = [concat(batches[k : k + n]) for k in range(0, len(batches), n)]
+    return train_steps(model, opt, large)
+
+
+def test_failed_apply_step_changes_nothing_and_its_retry_equals_the_large_batch(mode):
+    x, y = make_data(24)
+    batches = split(x, y, 4)  # two cycles of three
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 3, mode=mode)
+    opt.build(model.trainable_variables)
+    train_steps(model, opt, batches[:2])
+    before = whole_state(model, opt)
+    fail_once(opt)
+    with pytest.raises(Injected):
+        train_steps(model, opt, batches[2:3])
+    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
+    train_steps(model, opt, batches[2:])
+    assert_states_close(_reference(batches, 3), full_state(model, opt))
+
+
+@pytest.mark.skipif(
+    BACKEND == "jax",
+    reason="Keras's JAX `fit` leaves the model's variables without values after an exception in its "
+    "step, with any optimizer; the custom loop above covers JAX",
+)
+def test_failed_apply_step_in_eager_fit_changes_nothing(mode):
+    """`fit(run_eagerly=True)`: a micro-batch whose update fails, fitted
+    again, ends as the large batch."""
+    x, y = make_data(16)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 2, mode=mode)
+    fit(model, opt, x[:4], y[:4], 4, run_eagerly=True)
+    before = whole_state(model, opt)
+    fail_once(opt)
+    with pytest.raises(Injected):
+        model.fit(x[4:8], y[4:8], batch_size=4, shuffle=False, verbose=0)
+    assert_states_equal(before, whole_state(model, opt), "a failed apply step in fit")
+    model.fit(x[4:], y[4:], batch_size=4, shuffle=False, verbose=0)
+    reference = make_mlp()
+    plain = keras.optimizers.Adam(1e-2)
+    fit(reference, plain, x, y, 8, run_eagerly=True)
+    assert_states_close(full_state(reference, plain), full_state(model, opt))
+
+
+def test_failed_flush_changes_nothing(mode):
+    """`flush()` of a partial cycle whose update fails: nothing changed,
+    and flushing again applies the mean of the micro-batches held."""
+    x, y = make_data(12)
+    batches = split(x, y, 4)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 4, mode=mode)
+    opt.build(model.trainable_variables)
+    train_steps(model, opt, batches)
+    before = whole_state(model, opt)
+    fail_once(opt)
+    with pytest.raises(Injected):
+        opt.flush()
+    assert_states_equal(before, whole_state(model, opt), "a failed flush")
+    opt.flush()
+    assert_states_close(_reference(batches, 3), full_state(model, opt))
