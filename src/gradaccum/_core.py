@@ -211,11 +211,14 @@ class Core:
                 state.host_applied += 1
             return
         weight = count if weight is None else weight
-        first, steps, ends = self._position()
-        state.check_unmet(ends)
-        with unchanged_if_raised(state, self.backend, ends):
-            given = self._add(grads, indices, weight, first)
-            self._finish_if(ends, steps, given)
+        # In a graph, everything from reading the position on waits for the
+        # gradients: a branch on a predicate that did not would start early.
+        with self.backend.after(grads, variables, weight):
+            first, steps, ends = self._position()
+            state.check_unmet(ends)
+            with unchanged_if_raised(state, self.backend, ends):
+                given = self._add(grads, indices, weight, first)
+                self._finish_if(ends, steps, given)
 
     def _position(self) -> tuple[Any, Any, Any]:
         """`(first, steps, ends)`: whether this micro-step is its cycle's
