@@ -59,10 +59,12 @@ def test_fit_step_whose_loss_assertion_fails_changes_nothing(mode):
     assert_states_close(full_state(reference, plain), full_state(model, opt))
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 @pytest.mark.parametrize("mode", MODES)
-def test_traced_step_with_a_wrong_gradient_shape_changes_nothing(mode):
+def test_traced_step_with_a_wrong_gradient_shape_changes_nothing(mode, jit):
     """An `input_signature` hides the gradients' shapes from the trace: one
-    of the wrong shape fails at run time, before anything is written."""
+    of the wrong shape fails at run time (under XLA, when compiled for it),
+    before anything is written."""
     x, y = make_data(16)
     batches = split(x, y, 4)
     model = make_mlp()
@@ -70,7 +72,7 @@ def test_traced_step_with_a_wrong_gradient_shape_changes_nothing(mode):
     opt.build(model.trainable_variables)
     unknown = [tf.TensorSpec(None, tf.float32)] * len(model.trainable_variables)
 
-    @tf.function(input_signature=[unknown])
+    @tf.function(input_signature=[unknown], jit_compile=jit)
     def step(grads):
         opt.apply(grads, model.trainable_variables)
 
