@@ -14,7 +14,11 @@ must see the wrapper, see `Patch`), and undone the same way (`Patch.remove`):
   `apply_gradients` and `apply`, which then take the micro-batch's `weight=`
   (`gradaccum._loss_scale`); `keras.optimizers.get`, which refuses
   `accumulate(n=...)` given where an optimizer belongs with gradaccum's own
-  error (`gradaccum._api`); on JAX, `JAXTrainer.train_step`, which computes
+  error (`gradaccum._api`); Keras's `load_weights_only`, which refuses a
+  file the model's accumulating optimizer cannot take before it writes any
+  weight, and `Optimizer.load_own_variables`, so that a plain optimizer
+  loads its variables from an accumulating one's file
+  (`gradaccum._persistence.keras_files`); on JAX, `JAXTrainer.train_step`, which computes
   the gradients per device where the accumulators are device-local
   (`gradaccum._data_parallel`); and `serialize_keras_object` in every Keras
   module that binds it, so that an accumulating optimizer is written as
@@ -83,6 +87,10 @@ ACCUMULATE = (
          "gradaccum._loss_scale:weighted"),
     Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "apply", "gradaccum._loss_scale:weighted"),
     Spec("keras.src.optimizers:", "get", "gradaccum._api:optimizer_get"),
+    Spec("keras.src.saving.saving_lib:", "load_weights_only",
+         "gradaccum._persistence.keras_files:check_before_loading"),
+    Spec("keras.src.optimizers.base_optimizer:BaseOptimizer", "load_own_variables",
+         "gradaccum._persistence.keras_files:load_into_plain"),
     Spec("keras.src.backend.jax.trainer:JAXTrainer", "train_step", "gradaccum._data_parallel:train_step"),
     Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving.saving_lib:", "serialize_keras_object", "gradaccum._persistence:serialize"),

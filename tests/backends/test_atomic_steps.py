@@ -113,3 +113,39 @@ def test_failed_flush_changes_nothing(mode):
     assert_states_equal(before, whole_state(model, opt), "a failed flush")
     opt.flush()
     assert_states_close(_reference(batches, 3), full_state(model, opt))
+
+
+def _trained(n, seed=0, micro_steps=3):
+    """A model fitted by `accumulate(Adam, n)` on `micro_steps` micro-batches."""
+    x, y = make_data(4 * micro_steps)
+    model = make_mlp(seed=seed)
+    opt = accumulate(keras.optimizers.Adam(1e-2), n)
+    fit(model, opt, x, y, 4)
+    return model, opt
+
+
+def test_weights_file_of_another_n_is_refused_before_any_weight_is_written(tmp_path):
+    saved, _ = _trained(4)
+    path = str(tmp_path / "n4.weights.h5")
+    saved.save_weights(path)
+    model, opt = _trained(2, seed=1)
+    before = whole_state(model, opt)
+    with pytest.raises(ValueError, match="n=4"):
+        model.load_weights(path)
+    assert_states_equal(before, whole_state(model, opt), "a refused file")
+
+
+def test_plain_optimizer_loads_an_accumulating_weights_file(tmp_path):
+    """Its slots and `iterations`, as a checkpoint restores them; the
+    partial cycle, which a plain optimizer cannot hold, is dropped, warned."""
+    saved, saved_opt = _trained(2, micro_steps=5)  # two cycles, then a micro-step
+    path = str(tmp_path / "accumulating.weights.h5")
+    saved.save_weights(path)
+    model = make_mlp(seed=1)
+    plain = keras.optimizers.Adam(1e-2)
+    model.compile(optimizer=plain, loss="mse")
+    plain.build(model.trainable_variables)
+    with pytest.warns(UserWarning, match="1 micro-batch"):
+        model.load_weights(path)
+    assert int(keras.ops.convert_to_numpy(plain.iterations)) == 2
+    assert_states_equal(full_state(saved, saved_opt), full_state(model, plain), "loaded into a plain optimizer")
