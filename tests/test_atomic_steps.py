@@ -91,3 +91,17 @@ def test_traced_step_with_a_wrong_gradient_shape_changes_nothing(mode, jit):
         xb, yb = x[4 * k : 4 * k + 8], y[4 * k : 4 * k + 8]
         plain.apply(gradients(reference, xb, yb), reference.trainable_variables)
     assert_states_close(full_state(reference, plain), full_state(model, opt))
+
+
+def test_checkpoint_of_another_n_is_refused_before_any_weight_is_written(tmp_path):
+    x, y = make_data(12)
+    saved = make_mlp()
+    fit(saved, accumulate(keras.optimizers.Adam(1e-2), 4), x, y, 4)
+    path = tf.train.Checkpoint(model=saved, optimizer=saved.optimizer).write(str(tmp_path / "n4"))
+    model = make_mlp(seed=1)
+    opt = accumulate(keras.optimizers.Adam(1e-2), 2)
+    fit(model, opt, x, y, 4)
+    before = whole_state(model, opt)
+    with pytest.raises(ValueError, match="n=4"):
+        tf.train.Checkpoint(model=model, optimizer=opt).read(path)
+    assert_states_equal(before, whole_state(model, opt), "a refused checkpoint")

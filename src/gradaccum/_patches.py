@@ -18,7 +18,9 @@ must see the wrapper, see `Patch`), and undone the same way (`Patch.remove`):
   file the model's accumulating optimizer cannot take before it writes any
   weight, and `Optimizer.load_own_variables`, so that a plain optimizer
   loads its variables from an accumulating one's file
-  (`gradaccum._persistence.keras_files`); on JAX, `JAXTrainer.train_step`, which computes
+  (`gradaccum._persistence.keras_files`); on TensorFlow,
+  `tf.train.Checkpoint.read`, which refuses such a checkpoint before it
+  restores anything (`gradaccum._persistence.checkpoint`); on JAX, `JAXTrainer.train_step`, which computes
   the gradients per device where the accumulators are device-local
   (`gradaccum._data_parallel`); and `serialize_keras_object` in every Keras
   module that binds it, so that an accumulating optimizer is written as
@@ -91,6 +93,8 @@ ACCUMULATE = (
          "gradaccum._persistence.keras_files:check_before_loading"),
     Spec("keras.src.optimizers.base_optimizer:BaseOptimizer", "load_own_variables",
          "gradaccum._persistence.keras_files:load_into_plain"),
+    Spec("tensorflow.python.checkpoint.checkpoint:Checkpoint", "read",
+         "gradaccum._persistence.checkpoint:read_checked"),
     Spec("keras.src.backend.jax.trainer:JAXTrainer", "train_step", "gradaccum._data_parallel:train_step"),
     Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving.saving_lib:", "serialize_keras_object", "gradaccum._persistence:serialize"),
@@ -197,10 +201,10 @@ def install(group: str = "accumulate") -> None:
 
 
 def for_backend(specs: tuple[Spec, ...], backend: str) -> tuple[Spec, ...]:
-    """`specs` without the patches of another backend's trainer (whose
-    module would import that backend)."""
+    """`specs` without the patches of another backend's trainer or library
+    (whose module would import that backend)."""
     others = [b for b in ("tensorflow", "jax") if b != backend]
-    return tuple(s for s in specs if not any(f".{b}." in s.target for b in others))
+    return tuple(s for s in specs if not any(f".{b}." in f".{s.target}" for b in others))
 
 
 class SharedPatch:
