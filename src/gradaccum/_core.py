@@ -339,7 +339,9 @@ class Core:
         micro-step counter (if `ends`) or sets it to `steps`. `given`: the
         positions this micro-step gave a gradient (None for `flush`)."""
         backend, state = self.backend, self.state
-        if ends is not False:  # False: an in-between micro-step known on the host
+        # An in-between step known as one (on the host, eagerly) runs no
+        # update, which could fail after its gradients were added.
+        if not backend.known(ends) or bool(ends):
             end_cycle(self, ends, steps, given)
         if backend.host_counters:
             state.host_micro_step = 0 if ends else steps

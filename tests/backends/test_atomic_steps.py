@@ -73,6 +73,25 @@ def test_failed_apply_step_changes_nothing_and_its_retry_equals_the_large_batch(
     assert_states_close(_reference(batches, 3), full_state(model, opt))
 
 
+def test_eager_in_between_steps_leave_the_update_alone(mode):
+    """Eagerly, only the step that ends a cycle runs the wrapped optimizer's
+    update: a failure in it cannot come on an in-between step, after that
+    step's gradients were added."""
+    x, y = make_data(24)
+    batches = split(x, y, 4)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 3, mode=mode)
+    opt.build(model.trainable_variables)
+    fail_once(opt)
+    train_steps(model, opt, batches[:2])
+    before = whole_state(model, opt)
+    with pytest.raises(Injected):
+        train_steps(model, opt, batches[2:3])
+    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
+    train_steps(model, opt, batches[2:])
+    assert_states_close(_reference(batches, 3), full_state(model, opt))
+
+
 @pytest.mark.skipif(
     BACKEND == "jax",
     reason="Keras's JAX `fit` leaves the model's variables without values after an exception in its "
