@@ -16,6 +16,7 @@ import pytest
 from gradaccum import accumulate
 from tests.helpers import (
     BACKEND,
+    accumulation_arrays,
     assert_states_close,
     assert_states_equal,
     concat,
@@ -71,6 +72,29 @@ def test_failed_apply_step_changes_nothing_and_its_retry_equals_the_large_batch(
     assert_states_equal(before, whole_state(model, opt), "a failed apply step")
     train_steps(model, opt, batches[2:])
     assert_states_close(_reference(batches, 3), full_state(model, opt))
+
+
+def test_failed_apply_step_puts_back_the_noise_scale_and_bfloat16_sums():
+    """The noise scale's estimates (measured before the update runs) and
+    compensated bfloat16 accumulators are put back too."""
+    x, y = make_data(36)
+    batches = split(x, y, 4)  # three cycles of three
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 3, noise_scale=True, accumulator_dtype="bfloat16")
+    opt.build(model.trainable_variables)
+    train_steps(model, opt, batches[:5])
+    before = whole_state(model, opt)
+    assert "noise_cycles" in before
+    fail_once(opt)
+    with pytest.raises(Injected):
+        train_steps(model, opt, batches[5:6])
+    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
+    train_steps(model, opt, batches[5:])
+    retried = whole_state(model, opt)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 3, noise_scale=True, accumulator_dtype="bfloat16")
+    opt.build(model.trainable_variables)
+    assert_states_equal(train_steps(model, opt, batches) | accumulation_arrays(opt), retried, "never failed")
 
 
 def test_eager_in_between_steps_leave_the_update_alone(mode):

@@ -254,14 +254,17 @@ def without_keras_accumulation(state: dict[str, Any]) -> dict[str, Any]:
 
 def accumulation_arrays(optimizer: Any) -> dict[str, np.ndarray]:
     """The accumulation state as arrays: each accumulator (`"acc/<i>"`),
-    `micro_step` and `weight_total`, as `accumulation_state` shows them
-    (empty before the state is built)."""
+    `micro_step`, `weight_total` and the noise scale's estimates, as
+    `accumulation_state` shows them (empty before the state is built)."""
     state = optimizer.accumulation_state
     if state is None:
         return {}
     out = {f"acc/{i}": _numpy(a) for i, a in enumerate(state.accumulators)}
     out["micro_step"] = _numpy(state.micro_step)
     out["weight_total"] = _numpy(state.weight_total)
+    for name in ("noise_scale", "gradient_sq", "gradient_trace", "noise_batch", "noise_cycles"):
+        if getattr(state, name) is not None:
+            out[name] = np.asarray(getattr(state, name))
     return out
 
 
