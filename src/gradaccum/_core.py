@@ -24,6 +24,11 @@
    clipping of the replica sum);
 6. advances the micro-step counter, or resets it on the apply step.
 
+A step that raises leaves the state as it was (`gradaccum._atomic`): traced,
+its writes wait for its gradients and weight (`Backend.after`); eagerly, an
+in-between step runs no update, and the step that ends a cycle puts the
+state back if the update raises.
+
 The backend hooks (`gradaccum._backend`) say how each of those runs on
 TensorFlow (replicas, graphs, XLA) or on JAX and PyTorch (Keras ops).
 """

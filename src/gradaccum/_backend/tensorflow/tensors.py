@@ -89,11 +89,11 @@ def after(grads: Sequence[Any], variables: Sequence[Any], weight: Any) -> contex
     for grad, variable in zip(grads, variables):
         if grad is None:
             continue
-        values, expected = grad, variable.shape
-        if isinstance(grad, tf.IndexedSlices):
+        values, expected, compared = grad, variable.shape, grad.shape
+        if isinstance(grad, tf.IndexedSlices):  # any number of rows
             inputs.append(grad.indices)
-            values, expected = grad.values, [None, *variable.shape[1:]]
-        if not values.shape.is_fully_defined():
+            values, expected, compared = grad.values, [None, *variable.shape[1:]], grad.values.shape[1:]
+        if not compared.is_fully_defined():
             values = tf.ensure_shape(values, expected)
         inputs.append(values)
     return tf.control_dependencies(inputs)
