@@ -192,3 +192,18 @@ def test_plain_optimizer_loads_an_accumulating_weights_file(tmp_path):
         model.load_weights(path)
     assert int(keras.ops.convert_to_numpy(plain.iterations)) == 2
     assert_states_equal(full_state(saved, saved_opt), full_state(model, plain), "loaded into a plain optimizer")
+
+
+def test_optimizer_store_of_another_model_is_refused_before_anything_is_loaded():
+    """`load_own_variables` of a store saved for other variables: refused
+    before the wrapped optimizer's slots or `iterations` are written."""
+    x, y = make_data(12)
+    other = make_mlp(widths=(6,))
+    fit(other, accumulate(keras.optimizers.Adam(1e-2), 2), x, y, 4)
+    store = {}
+    other.optimizer.save_own_variables(store)
+    model, opt = _trained(2, seed=1)
+    before = whole_state(model, opt)
+    with pytest.raises(ValueError, match="another model"):
+        opt.load_own_variables(store)
+    assert_states_equal(before, whole_state(model, opt), "a refused store")

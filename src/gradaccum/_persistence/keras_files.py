@@ -143,6 +143,18 @@ def _touched(state: State, backend: Any) -> np.ndarray:
     return np.array([i in state.participants for i in range(len(state.accumulators))])
 
 
+def check_model(values: dict[str, np.ndarray], state: State) -> None:
+    """Refuses a store whose accumulation state was written for another
+    model (another count of accumulators, or other shapes); one without
+    the state passes.
+
+    Raises:
+        ValueError: Naming what differs.
+    """
+    if f"{KEY}n" in values:
+        _sources(values, state)
+
+
 def _sources(values: dict[str, np.ndarray], state: State) -> list[int]:
     """`source[i]`: the saved position of accumulator `i`. By name when the
     saved names and these are the same set of distinct names; otherwise (a
@@ -278,7 +290,7 @@ def check_before_loading(wrapped: Callable[..., Any], instance: Any, args: tuple
         if values is not None:
             check_store(values, core.cycle.code, core.settings.reduction)
             if core.state is not None:
-                _sources(values, core.state)
+                check_model(values, core.state)
     return wrapped(*args, **kwargs)
 
 
