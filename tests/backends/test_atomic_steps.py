@@ -207,3 +207,37 @@ def test_optimizer_store_of_another_model_is_refused_before_anything_is_loaded()
     with pytest.raises(ValueError, match="another model"):
         opt.load_own_variables(store)
     assert_states_equal(before, whole_state(model, opt), "a refused store")
+
+
+@pytest.mark.skipif(
+    BACKEND == "jax",
+    reason="Keras's JAX LossScaleOptimizer runs its inner update in a `jax.lax.cond` even eagerly, and an "
+    "exception there leaves traced values in the variables, with the plain optimizer too",
+)
+@pytest.mark.parametrize("outside", [False, True], ids=["inside", "outside"])
+def test_failed_apply_step_under_loss_scaling_changes_nothing(outside):
+    """In either wrapping with a `LossScaleOptimizer`; retried, the run
+    ends exactly as one that never failed."""
+    x, y = make_data(24)
+    batches = split(x, y, 4)
+
+    def make():
+        model, adam = make_mlp(), keras.optimizers.Adam(1e-2)
+        if outside:
+            opt = keras.optimizers.LossScaleOptimizer(accumulate(adam, 3))
+        else:
+            opt = accumulate(keras.optimizers.LossScaleOptimizer(adam), 3)
+        opt.build(model.trainable_variables)
+        return model, opt, adam
+
+    model, opt, adam = make()
+    train_steps(model, opt, batches[:2])
+    before = whole_state(model, opt)
+    fail_once(adam)
+    with pytest.raises(Injected):
+        train_steps(model, opt, batches[2:3])
+    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
+    train_steps(model, opt, batches[2:])
+    never_failed, unfailed, _ = make()
+    train_steps(never_failed, unfailed, batches)
+    assert_states_equal(whole_state(never_failed, unfailed), whole_state(model, opt), "retried")

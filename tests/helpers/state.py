@@ -255,7 +255,10 @@ def without_keras_accumulation(state: dict[str, Any]) -> dict[str, Any]:
 def accumulation_arrays(optimizer: Any) -> dict[str, np.ndarray]:
     """The accumulation state as arrays: each accumulator (`"acc/<i>"`),
     `micro_step`, `weight_total` and the noise scale's estimates, as
-    `accumulation_state` shows them (empty before the state is built)."""
+    `accumulation_state` shows them (empty before the state is built). A
+    loss-scale optimizer's: its inner accumulating optimizer's."""
+    if not hasattr(optimizer, "accumulation_state"):
+        optimizer = optimizer.inner_optimizer
     state = optimizer.accumulation_state
     if state is None:
         return {}
