@@ -10,8 +10,8 @@ micro-batch again equals never having failed:
   variable's, stops the step before anything is written.
 - Eagerly, on the step that ends a cycle the accumulators and counters are
   written before the wrapped optimizer's update runs; if the update raises,
-  `unchanged_if_raised` puts them back. An in-between step's update changes
-  nothing, so it needs no such care.
+  `unchanged_if_raised` puts them back. An in-between step runs no update
+  (`Core._finish_if`), so nothing can fail after its gradients were added.
 """
 
 from __future__ import annotations
