@@ -24,6 +24,11 @@
    clipping of the replica sum);
 6. advances the micro-step counter, or resets it on the apply step.
 
+A step that raises leaves the state as it was (`gradaccum._atomic`): traced,
+its writes wait for its gradients and weight (`Backend.after`); eagerly, an
+in-between step runs no update, and the step that ends a cycle puts the
+state back if the update raises.
+
 The backend hooks (`gradaccum._backend`) say how each of those runs on
 TensorFlow (replicas, graphs, XLA) or on JAX and PyTorch (Keras ops).
 """
@@ -38,6 +43,7 @@ from keras import ops
 
 from gradaccum import _agc, _compensated
 from gradaccum._adaptive import NoiseScaleSchedule
+from gradaccum._atomic import unchanged_if_raised
 from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
 from gradaccum._cycle_end import deliver, end_cycle
@@ -210,10 +216,14 @@ class Core:
                 state.host_applied += 1
             return
         weight = count if weight is None else weight
-        first, steps, ends = self._position()
-        state.check_unmet(ends)
-        given = self._add(grads, indices, weight, first)
-        self._finish_if(ends, steps, given)
+        # In a graph, everything from reading the position on waits for the
+        # gradients: a branch on a predicate that did not would start early.
+        with self.backend.after(grads, variables, weight):
+            first, steps, ends = self._position()
+            state.check_unmet(ends)
+            with unchanged_if_raised(state, self.backend, ends):
+                given = self._add(grads, indices, weight, first)
+                self._finish_if(ends, steps, given)
 
     def _position(self) -> tuple[Any, Any, Any]:
         """`(first, steps, ends)`: whether this micro-step is its cycle's
@@ -323,7 +333,8 @@ class Core:
                 return  # an empty cycle
             ends = ops.greater(steps, 0)
         self.state.check_unmet(ends)
-        self._finish_if(ends, steps, None)
+        with unchanged_if_raised(self.state, self.backend, ends):
+            self._finish_if(ends, steps, None)
 
     # ------------------------------------------------------------------
     # The end of a cycle.
@@ -333,7 +344,9 @@ class Core:
         micro-step counter (if `ends`) or sets it to `steps`. `given`: the
         positions this micro-step gave a gradient (None for `flush`)."""
         backend, state = self.backend, self.state
-        if ends is not False:  # False: an in-between micro-step known on the host
+        # An in-between step known as one (on the host, eagerly) runs no
+        # update, which could fail after its gradients were added.
+        if not backend.known(ends) or bool(ends):
             end_cycle(self, ends, steps, given)
         if backend.host_counters:
             state.host_micro_step = 0 if ends else steps

@@ -14,7 +14,13 @@ must see the wrapper, see `Patch`), and undone the same way (`Patch.remove`):
   `apply_gradients` and `apply`, which then take the micro-batch's `weight=`
   (`gradaccum._loss_scale`); `keras.optimizers.get`, which refuses
   `accumulate(n=...)` given where an optimizer belongs with gradaccum's own
-  error (`gradaccum._api`); on JAX, `JAXTrainer.train_step`, which computes
+  error (`gradaccum._api`); Keras's `load_weights_only`, which refuses a
+  file the model's accumulating optimizer cannot take before it writes any
+  weight, and `Optimizer.load_own_variables`, so that a plain optimizer
+  loads its variables from an accumulating one's file
+  (`gradaccum._persistence.keras_files`); on TensorFlow,
+  `tf.train.Checkpoint.read`, which refuses such a checkpoint before it
+  restores anything (`gradaccum._persistence.checkpoint`); on JAX, `JAXTrainer.train_step`, which computes
   the gradients per device where the accumulators are device-local
   (`gradaccum._data_parallel`); and `serialize_keras_object` in every Keras
   module that binds it, so that an accumulating optimizer is written as
@@ -83,6 +89,12 @@ ACCUMULATE = (
          "gradaccum._loss_scale:weighted"),
     Spec("keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer", "apply", "gradaccum._loss_scale:weighted"),
     Spec("keras.src.optimizers:", "get", "gradaccum._api:optimizer_get"),
+    Spec("keras.src.saving.saving_lib:", "load_weights_only",
+         "gradaccum._persistence.keras_files:check_before_loading"),
+    Spec("keras.src.optimizers.base_optimizer:BaseOptimizer", "load_own_variables",
+         "gradaccum._persistence.keras_files:load_into_plain"),
+    Spec("tensorflow.python.checkpoint.checkpoint:Checkpoint", "read",
+         "gradaccum._persistence.checkpoint:read_checked"),
     Spec("keras.src.backend.jax.trainer:JAXTrainer", "train_step", "gradaccum._data_parallel:train_step"),
     Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving.saving_lib:", "serialize_keras_object", "gradaccum._persistence:serialize"),
@@ -189,10 +201,10 @@ def install(group: str = "accumulate") -> None:
 
 
 def for_backend(specs: tuple[Spec, ...], backend: str) -> tuple[Spec, ...]:
-    """`specs` without the patches of another backend's trainer (whose
-    module would import that backend)."""
+    """`specs` without the patches of another backend's trainer or library
+    (whose module would import that backend)."""
     others = [b for b in ("tensorflow", "jax") if b != backend]
-    return tuple(s for s in specs if not any(f".{b}." in s.target for b in others))
+    return tuple(s for s in specs if not any(f".{b}." in f".{s.target}" for b in others))
 
 
 class SharedPatch:

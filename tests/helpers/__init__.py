@@ -22,6 +22,7 @@ from tests.helpers.models import (
 )
 from tests.helpers.optimizers import OPTIMIZERS, shipped_optimizers
 from tests.helpers.state import (
+    accumulation_arrays,
     assert_finite,
     assert_same,
     assert_states_close,
@@ -34,6 +35,7 @@ from tests.helpers.state import (
     optimizer_variables,
     rounding_floor,
     values,
+    whole_state,
     without_keras_accumulation,
 )
 from tests.helpers.tolerances import ATOL, FLOOR_FACTOR, RTOL
@@ -65,6 +67,7 @@ __all__ = [
     "MODES",
     "OPTIMIZERS",
     "RTOL",
+    "accumulation_arrays",
     "as_int",
     "assert_finite",
     "assert_same",
@@ -96,5 +99,6 @@ __all__ = [
     "split",
     "train_steps",
     "values",
+    "whole_state",
     "without_keras_accumulation",
 ]

@@ -250,3 +250,28 @@ def without_keras_accumulation(state: dict[str, Any]) -> dict[str, Any]:
     micro-steps (its `iterations`, compared as `"iterations"`, counts
     updates)."""
     return {k: v for k, v in state.items() if "gradient_accumulator" not in k and k != "opt/iteration"}
+
+
+def accumulation_arrays(optimizer: Any) -> dict[str, np.ndarray]:
+    """The accumulation state as arrays: each accumulator (`"acc/<i>"`),
+    `micro_step`, `weight_total` and the noise scale's estimates, as
+    `accumulation_state` shows them (empty before the state is built). A
+    loss-scale optimizer's: its inner accumulating optimizer's."""
+    if not hasattr(optimizer, "accumulation_state"):
+        optimizer = optimizer.inner_optimizer
+    state = optimizer.accumulation_state
+    if state is None:
+        return {}
+    out = {f"acc/{i}": _numpy(a) for i, a in enumerate(state.accumulators)}
+    out["micro_step"] = _numpy(state.micro_step)
+    out["weight_total"] = _numpy(state.weight_total)
+    for name in ("noise_scale", "gradient_sq", "gradient_trace", "noise_batch", "noise_cycles"):
+        if getattr(state, name) is not None:
+            out[name] = np.asarray(getattr(state, name))
+    return out
+
+
+def whole_state(model: Any, optimizer: Any) -> dict[str, np.ndarray]:
+    """`full_state` and the accumulation state (`accumulation_arrays`): all
+    a step may write."""
+    return {**full_state(model, optimizer), **accumulation_arrays(optimizer)}

@@ -212,6 +212,16 @@ class Backend(Protocol):
         """`acc += weight * grad` (`grad` for `weight=None`) for each pair;
         on a cycle's first micro-step (`first`) writes it over `acc`."""
 
+    def after(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any
+              ) -> contextlib.AbstractContextManager[None]:
+        """Within the block, the ops of a traced step run only once every
+        gradient of `grads` (None: none) and `weight` (if a tensor) are
+        computed, and each gradient is known to have its variable's shape
+        (of `variables`), so that a failure computing them (an assertion in
+        the loss, a shape the trace left unknown) stops the step before it
+        writes anything. Nothing where ops run in program order (eagerly,
+        JAX, PyTorch)."""
+
     def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
         """`acc = maximum(acc, value)`, or `value` on a cycle's first
         micro-step."""

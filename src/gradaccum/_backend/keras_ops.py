@@ -15,7 +15,7 @@ the update sums the devices' entries, the cycle's one all-reduce.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
@@ -269,6 +269,9 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
             else:
                 accumulator.assign(grad if bool(first) else accumulator.value + grad)
 
+    def after(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any) -> Any:
+        return contextlib.nullcontext()  # JAX orders writes by their inputs; PyTorch runs in order
+
     def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
         value = ops.cast(value, accumulator.dtype)
         accumulator.assign(ops.where(first, value, ops.maximum(accumulator.value, value)))
@@ -361,13 +364,10 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
             fn()
 
     def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
-        # No cheap run-time assertion here: JAX checks nothing at run time.
-        return None
+        return None  # no cheap run-time assertion: JAX checks nothing at run time
 
-    @contextlib.contextmanager
-    def guarded(self, condition: Callable[[], Any], message: str) -> Iterator[None]:
-        # No cheap run-time assertion here (see `gradaccum._cycle`).
-        yield
+    def guarded(self, condition: Callable[[], Any], message: str) -> Any:
+        return contextlib.nullcontext()  # no cheap run-time assertion (see `gradaccum._cycle`)
 
     # ------------------------------------------------------------------
     # Distribution: one replica.

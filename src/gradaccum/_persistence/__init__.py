@@ -32,7 +32,16 @@ import keras
 import numpy as np
 
 from gradaccum._persistence.checkpoint import CHILD, checkpoint_class
-from gradaccum._persistence.keras_files import KEY, UNTRACKED, check_store, owns_key, read_store, restore, snapshot
+from gradaccum._persistence.keras_files import (
+    KEY,
+    UNTRACKED,
+    check_model,
+    check_store,
+    owns_key,
+    read_store,
+    restore,
+    snapshot,
+)
 from gradaccum._settings import Settings
 from gradaccum._state import State
 
@@ -112,7 +121,9 @@ class Saved:
 
     def _load_held(self) -> None:
         values, self._held = self._held, None
-        self.optimizer.load_own_variables({k: v for k, v in values.items() if not owns_key(k)})
+        core = self.core
+        # Every check first: a refused store writes nothing.
+        check_model(values, core.state)
         untracked = [k for k in values if k.startswith(UNTRACKED)]
         targets = self.family.untracked_variables() if untracked else []
         if len(targets) != len(untracked):
@@ -121,9 +132,9 @@ class Saved:
                 f"optimizer does not list in `variables`, but this one has {len(targets)}: "
                 "it was saved from another optimizer or wrapping (a LossScaleOptimizer around it or not)."
             )
+        self.optimizer.load_own_variables({k: v for k, v in values.items() if not owns_key(k)})
         for k, v in enumerate(targets):
             v.assign(np.asarray(values[f"{UNTRACKED}{k}"]))
-        core = self.core
         if f"{KEY}n" in values:
             restore(core.state, core.backend, values, core.settings.sparse)
         core.resync()

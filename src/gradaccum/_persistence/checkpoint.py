@@ -2,12 +2,16 @@
 
 `tf.train.Checkpoint`, `BackupAndRestore` and SavedModel reach the state
 through a child of the optimizer named `gradient_accumulation`, a
-`tf.Module` made once the state exists (`checkpoint_class`).
+`tf.Module` made once the state exists (`checkpoint_class`). A checkpoint
+written with another `n` or `reduction` is refused before anything of it is
+restored (`read_checked`).
 """
 
 from __future__ import annotations
 
 import io
+import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -132,3 +136,58 @@ def checkpoint_class() -> type:
 
     _CHECKPOINT.append(Checkpointed)
     return Checkpointed
+
+
+def read_checked(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """`tf.train.Checkpoint.read` (which `restore` calls), which first refuses
+    a checkpoint whose accumulation state an accumulating optimizer it
+    restores cannot take.
+
+    The state's settings are checked where it is restored, but TensorFlow
+    restores the model's and the optimizer's variables in the same pass, so
+    that refusal would leave them restored. Read from the file first,
+    nothing is restored.
+
+    Raises:
+        ValueError: If the checkpoint was written with another `n` or
+            `reduction`.
+    """
+    found = _accumulating(instance)
+    save_path = args[0] if args else kwargs.get("save_path")
+    if found and save_path is not None:
+        import tensorflow as tf
+
+        try:
+            reader = tf.train.load_checkpoint(os.fspath(save_path))
+        except (tf.errors.OpError, ValueError, TypeError):
+            reader = None  # TensorFlow's own read reports it
+        for path, core in found if reader is not None else ():
+            key = f"{path}/{CHILD}/.ATTRIBUTES/"
+            if reader.has_tensor(f"{key}n"):
+                saved_reduction = reader.get_tensor(f"{key}reduction")
+                saved_reduction = saved_reduction.decode() if isinstance(saved_reduction, bytes) else "?"
+                check_settings(int(reader.get_tensor(f"{key}n")), saved_reduction, core.cycle.code,
+                               core.settings.reduction)
+    return wrapped(*args, **kwargs)
+
+
+def _accumulating(root: Any) -> list[tuple[str, Any]]:
+    """`(path, core)` of each accumulating optimizer a checkpoint of `root`
+    holds, by its path in the checkpoint's keys."""
+    from tensorflow.python.trackable.trackable_utils import escape_local_name
+
+    found, seen, pending = [], {id(root)}, [("", root)]
+    while pending:
+        path, obj = pending.pop(0)
+        core = getattr(obj, "_self_core", None)
+        if core is not None:
+            found.append((path, core))
+        try:
+            children = obj._trackable_children()
+        except (AttributeError, TypeError, ValueError):
+            continue
+        for name, child in children.items():
+            if id(child) not in seen:
+                seen.add(id(child))
+                pending.append((f"{path}/{escape_local_name(name)}" if path else escape_local_name(name), child))
+    return found

@@ -5,12 +5,18 @@ the same on every backend, so a file written on one resumes its partial
 cycle on another. Each accumulator's variable is named (`gradaccum_names`,
 paths relative to what they share), so a model that lists its variables in
 another order once reloaded gets each sum back on its variable. State
-written with another `n` or `reduction` is refused.
+written with another `n` or `reduction`, or for another model, is refused
+before `load_weights` writes any weight (`check_before_loading`). A plain
+Keras optimizer given such a file loads its own variables from it and drops
+the partial cycle (`load_into_plain`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import warnings
+import zipfile
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,6 +143,18 @@ def _touched(state: State, backend: Any) -> np.ndarray:
     return np.array([i in state.participants for i in range(len(state.accumulators))])
 
 
+def check_model(values: dict[str, np.ndarray], state: State) -> None:
+    """Refuses a store whose accumulation state was written for another
+    model (another count of accumulators, or other shapes); one without
+    the state passes.
+
+    Raises:
+        ValueError: Naming what differs.
+    """
+    if f"{KEY}n" in values:
+        _sources(values, state)
+
+
 def _sources(values: dict[str, np.ndarray], state: State) -> list[int]:
     """`source[i]`: the saved position of accumulator `i`. By name when the
     saved names and these are the same set of distinct names; otherwise (a
@@ -214,3 +232,77 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
         kept = {key: values[f"{KEY}{key}_{j}"] for key in KEPT if f"{KEY}{key}_{j}" in values}
         if kept or i in state.kept:
             state.load_kept(i, kept, sparse)
+
+
+def _file_state(filepath: Any) -> dict[str, np.ndarray] | None:
+    """The accumulation state a local `.weights.h5` or `.keras` file holds
+    for a model's optimizer (or the inner optimizer of a loss-scale one
+    there); None where it holds none or is of another kind."""
+    from keras.src.saving import saving_lib
+
+    path = str(filepath)
+    if not os.path.isfile(path) or not path.endswith((".weights.h5", ".keras")):
+        return None
+    archive = zipfile.ZipFile(path, "r") if path.endswith(".keras") else None
+    store = saving_lib.H5IOStore(saving_lib._VARS_FNAME_H5 if archive else path, archive=archive, mode="r")
+    try:
+        for inner in ("optimizer", "optimizer/inner_optimizer"):
+            values = read_store(store.get(inner))
+            if f"{KEY}n" in values:
+                return values
+        return None
+    finally:
+        store.close()
+        if archive is not None:
+            archive.close()
+
+
+def check_before_loading(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `load_weights_only`, which first refuses a file whose
+    accumulation state the model's accumulating optimizer cannot take.
+
+    Keras loads the layers' weights before the optimizer's variables and
+    reports a failure once all were tried, so a refusal of the optimizer's
+    state alone would leave the model with the file's weights. Checked
+    first, nothing is written. (With `skip_mismatch=True` Keras loads what
+    fits and warns, and so it does here.)
+
+    Raises:
+        ValueError: If the file was written with another `n` or `reduction`,
+            or for another model.
+    """
+    model = args[0] if args else kwargs.get("model")
+    filepath = args[1] if len(args) > 1 else kwargs.get("filepath")
+    skip_mismatch = args[2] if len(args) > 2 else kwargs.get("skip_mismatch", False)
+    optimizer = getattr(model, "optimizer", None)
+    cores = [getattr(o, "_self_core", None) for o in (optimizer, getattr(optimizer, "inner_optimizer", None))]
+    core = next((c for c in cores if c is not None), None)
+    if core is not None and not skip_mismatch:
+        values = _file_state(filepath)
+        if values is not None:
+            check_store(values, core.cycle.code, core.settings.reduction)
+            if core.state is not None:
+                check_model(values, core.state)
+    return wrapped(*args, **kwargs)
+
+
+def load_into_plain(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `Optimizer.load_own_variables`, which loads a plain
+    optimizer's variables (slots, `iterations`) from an accumulating
+    optimizer's store, as a TensorFlow checkpoint restores them, where
+    Keras would skip them all for the store's extra keys. The partial cycle
+    the file holds is dropped, warned: a plain optimizer cannot hold it."""
+    store = args[0] if args else kwargs["store"]
+    keys = list(store.keys())
+    if not any(owns_key(k) for k in keys):
+        return wrapped(*args, **kwargs)
+    micro_steps = int(np.asarray(store[f"{KEY}micro_step"])) if f"{KEY}micro_step" in keys else 0
+    if micro_steps:
+        warnings.warn(
+            f"gradaccum: optimizer {getattr(instance, 'name', '')!r} does not accumulate, so the partial "
+            f"cycle of {micro_steps} micro-batch{'es' if micro_steps > 1 else ''} this file holds is "
+            "dropped; its own variables and `iterations` are loaded. Wrap it with `accumulate` as the "
+            "saved one was to resume the cycle.",
+            stacklevel=3,
+        )
+    return wrapped({k: store[k] for k in keys if not owns_key(k)})

@@ -120,6 +120,10 @@ class TensorFlowBackend:
     def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
         tensors.add_into(accumulators, grads, weight, first)
 
+    def after(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any
+              ) -> contextlib.AbstractContextManager[None]:
+        return tensors.after(grads, variables, weight)
+
     def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
         tensors.max_into(accumulator, value, first)
 

@@ -8,6 +8,7 @@ here is a `tf.cond` that synchronises nothing (no all-reduce, no
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,30 @@ def select(condition: tf.Tensor, new: Any, old: Any) -> tf.Tensor:
     Nothing of the discarded value reaches the result, NaN and inf included.
     """
     return tf.raw_ops.Select(condition=condition, x=new, y=old)
+
+
+def after(grads: Sequence[Any], variables: Sequence[Any], weight: Any) -> contextlib.AbstractContextManager[None]:
+    """In a graph, makes the block's ops wait for every gradient and the
+    weight, each gradient checked to have its variable's shape where the
+    trace left it unknown (`Backend.after`); eagerly, nothing.
+
+    A graph runs its ops in data order: a counter's write depends on no
+    gradient, and would run even where computing the gradients fails.
+    """
+    if tf.executing_eagerly():
+        return contextlib.nullcontext()
+    inputs = [weight] if isinstance(weight, (tf.Tensor, tf.Variable)) else []
+    for grad, variable in zip(grads, variables):
+        if grad is None:
+            continue
+        values, expected, compared = grad, variable.shape, grad.shape
+        if isinstance(grad, tf.IndexedSlices):  # any number of rows
+            inputs.append(grad.indices)
+            values, expected, compared = grad.values, [None, *variable.shape[1:]], grad.values.shape[1:]
+        if not compared.is_fully_defined():
+            values = tf.ensure_shape(values, expected)
+        inputs.append(values)
+    return tf.control_dependencies(inputs)
 
 
 def _weighted(grad: Any, weight: Any, dtype: tf.DType) -> tf.Tensor:

@@ -1,0 +1,107 @@
+"""A traced TensorFlow step that fails changes nothing (every backend's
+eager cases: `tests/backends/test_atomic_steps.py`).
+
+A `tf.function` runs its ops in data order, not program order: a micro-step
+whose loss fails an assertion, or whose gradient the trace left without a
+shape and that is not its variable's, must fail before any of its writes
+runs, so that the accumulators, counters and weights are as before the
+failed call, and the micro-batch run again ends as the large batch.
+"""
+
+from __future__ import annotations
+
+import keras
+import pytest
+import tensorflow as tf
+
+from gradaccum import accumulate
+from tests.helpers import (
+    MODES,
+    assert_states_close,
+    assert_states_equal,
+    fit,
+    full_state,
+    gradients,
+    make_data,
+    make_mlp,
+    split,
+    whole_state,
+)
+
+
+def _checked_loss(ok: tf.Variable):
+    """Mean squared error, asserting at run time that `ok` holds."""
+
+    def loss(y_true, y_pred):
+        check = tf.debugging.Assert(ok, ["the loss's check failed"])
+        with tf.control_dependencies([check]):
+            return tf.reduce_mean(tf.square(y_true - y_pred), axis=-1)
+
+    return loss
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fit_step_whose_loss_assertion_fails_changes_nothing(mode):
+    x, y = make_data(16)
+    ok = tf.Variable(True)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 2, mode=mode)
+    fit(model, opt, x[:8], y[:8], 4, loss=_checked_loss(ok))  # a cycle, then a micro-step
+    before = whole_state(model, opt)
+    ok.assign(False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="check failed"):
+        model.fit(x[8:12], y[8:12], batch_size=4, shuffle=False, verbose=0)
+    assert_states_equal(before, whole_state(model, opt), "a failed traced step")
+    ok.assign(True)
+    model.fit(x[8:], y[8:], batch_size=4, shuffle=False, verbose=0)
+    reference, plain = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(reference, plain, x, y, 8, loss=_checked_loss(ok))
+    assert_states_close(full_state(reference, plain), full_state(model, opt))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+@pytest.mark.parametrize("mode", MODES)
+def test_traced_step_with_a_wrong_gradient_shape_changes_nothing(mode, jit):
+    """An `input_signature` hides the gradients' shapes from the trace: one
+    of the wrong shape fails at run time (under XLA, when compiled for it),
+    before anything is written."""
+    x, y = make_data(16)
+    batches = split(x, y, 4)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 2, mode=mode)
+    opt.build(model.trainable_variables)
+    unknown = [tf.TensorSpec(None, tf.float32)] * len(model.trainable_variables)
+
+    @tf.function(input_signature=[unknown], jit_compile=jit)
+    def step(grads):
+        opt.apply(grads, model.trainable_variables)
+
+    for xb, yb in batches[:3]:
+        step(gradients(model, xb, yb))
+    before = whole_state(model, opt)
+    grads = gradients(model, *batches[3])
+    wrong = [tf.transpose(grads[0]), *grads[1:]]
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        step(wrong)
+    assert_states_equal(before, whole_state(model, opt), "a traced step with a wrong shape")
+    step(grads)
+    reference, plain = make_mlp(), keras.optimizers.Adam(1e-2)
+    plain.build(reference.trainable_variables)
+    for k in (0, 2):
+        xb, yb = x[4 * k : 4 * k + 8], y[4 * k : 4 * k + 8]
+        plain.apply(gradients(reference, xb, yb), reference.trainable_variables)
+    assert_states_close(full_state(reference, plain), full_state(model, opt))
+
+
+def test_checkpoint_of_another_n_is_refused_before_any_weight_is_written(tmp_path):
+    x, y = make_data(12)
+    saved = make_mlp()
+    fit(saved, accumulate(keras.optimizers.Adam(1e-2), 4), x, y, 4)
+    path = tf.train.Checkpoint(model=saved, optimizer=saved.optimizer).write(str(tmp_path / "n4"))
+    model = make_mlp(seed=1)
+    opt = accumulate(keras.optimizers.Adam(1e-2), 2)
+    fit(model, opt, x, y, 4)
+    before = whole_state(model, opt)
+    with pytest.raises(ValueError, match="n=4"):
+        tf.train.Checkpoint(model=model, optimizer=opt).read(path)
+    assert_states_equal(before, whole_state(model, opt), "a refused checkpoint")
