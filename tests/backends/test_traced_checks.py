@@ -24,8 +24,17 @@ import keras
 import pytest
 
 from gradaccum import accumulate
-from tests.helpers import BACKEND, assert_states_close, assert_states_equal, full_state, make_data, make_mlp, split
-from tests.helpers.training import gradients, train_steps
+from tests.helpers import (
+    BACKEND,
+    assert_states_close,
+    assert_states_equal,
+    full_state,
+    gradients,
+    make_data,
+    make_mlp,
+    split,
+    train_steps,
+)
 
 EXECUTIONS = {"tensorflow": ("eager", "graph", "xla"), "jax": ("eager", "jit")}.get(BACKEND, ("eager",))
 # Where a bad weight raises; elsewhere (no run-time assertion) it is refused.
