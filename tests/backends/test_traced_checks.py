@@ -181,3 +181,26 @@ def test_a_schedule_below_one_raises_or_is_taken_as_one_warned(execution):
     assert raised.type.__name__ in ("ValueError", "InvalidArgumentError"), raised.type
     assert_states_equal(before, _state(model, opt))
 
+
+
+@pytest.mark.parametrize("jit_compile", [False, True] if BACKEND != "torch" else [False])
+def test_a_schedule_below_one_in_fit(jit_compile):
+    """Without XLA it raises (at run time in TensorFlow's graph, eagerly on
+    JAX and PyTorch); under XLA it is taken as 1, warned."""
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), _falls_below_one)
+    model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
+    x, y = make_data(12)
+    raises = not jit_compile
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if raises:
+            with pytest.raises(Exception, match="schedule") as raised:
+                model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+            assert raised.type.__name__ in ("ValueError", "InvalidArgumentError"), raised.type
+            assert int(keras.ops.convert_to_numpy(opt.iterations)) == 1
+            return
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert any("schedule is traced" in str(w.message) for w in caught)
+    # Two micro-steps, then cycles of one.
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 2
