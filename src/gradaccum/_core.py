@@ -269,7 +269,7 @@ class Core:
                 backend.max_into(accumulator, g, first)
             elif backend.is_slices(g) and self.settings.sparse != "rows":
                 kept = state.kept_for(i, self.settings.sparse == "slices")
-                backend.keep_slices(kept, g, weight, first)
+                self.weights.if_accepted(backend.keep_slices, kept, g, weight, first)
             elif state.compensated(i):
                 compensated[0].append(accumulator)
                 compensated[1].append(state.compensations[i])

@@ -149,6 +149,15 @@ class Weights:
             [refused(g, i) for g, i in zip(grads, indices)],
         )
 
+    def if_accepted(self, fn: Callable[..., None], *args: Any) -> None:
+        """Runs `fn(*args)`, only where a traced weight is `accepted`: for
+        writes that a refused weight's zeros would still change (kept
+        slices, appended or replacing the indices held)."""
+        if self.accepted is None:
+            fn(*args)
+        else:
+            self._backend.when(self.accepted, lambda: fn(*args))
+
     def take(self, weight: Any) -> tuple[Any, Any]:
         """`(weight, count)` for this micro-step: the explicit weight
         or the handed one (checked: a number always, a tensor where its

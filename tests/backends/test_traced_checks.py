@@ -28,9 +28,11 @@ from tests.helpers import (
     BACKEND,
     assert_states_close,
     assert_states_equal,
+    embedding_data,
     full_state,
     gradients,
     make_data,
+    make_embedding_model,
     make_mlp,
     split,
     train_steps,
@@ -53,6 +55,10 @@ def _state(model, opt):
         state["held/weight_total"] = keras.ops.convert_to_numpy(held.weight_total)
         if held.touched is not None:
             state["held/touched"] = keras.ops.convert_to_numpy(held.touched)
+        for i, kept in held.kept.items():  # TensorFlow's kept slices
+            for kind, buffer in kept.parts.items():
+                for name in ("values", "indices", "filled"):
+                    state[f"held/kept{i}/{kind}/{name}"] = keras.ops.convert_to_numpy(getattr(buffer, name))
     return state
 
 
@@ -126,6 +132,28 @@ def test_a_bad_weight_changes_nothing_and_a_retry_equals_the_large_batch(executi
         step(xb, yb, 1.0)
     assert_states_close(ref, full_state(model, opt))
     assert int(keras.ops.convert_to_numpy(opt.micro_step)) == 0
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.IndexedSlices are TensorFlow's")
+@pytest.mark.parametrize("execution", EXECUTIONS)
+@pytest.mark.parametrize("sparse", ["auto", "slices", "rows"])
+def test_a_bad_weight_leaves_kept_slices_as_they_were(execution, sparse):
+    """Kept slices are appended, or replace the indices held, whatever the
+    weight: a refused micro-step must not write them at all."""
+    x, y = embedding_data(8, 2, unique_per_cycle=True)
+    ref = train_steps(make_embedding_model(vocab=40), keras.optimizers.Adam(1e-2), split(x, y, 8))
+    model = make_embedding_model(vocab=40)
+    opt = accumulate(keras.optimizers.Adam(1e-2), 2, sparse=sparse)
+    opt.build(model.trainable_variables)
+    step = _runner(model, opt, execution)
+    batches = split(x, y, 4)
+    step(*batches[0], 1.0)
+    before = _state(model, opt)
+    _refused(step, *batches[1], float("nan"), execution)
+    assert_states_equal(before, _state(model, opt))
+    for xb, yb in batches[1:]:
+        step(xb, yb, 1.0)
+    assert_states_close(ref, full_state(model, opt))
 
 
 @pytest.mark.parametrize("execution", EXECUTIONS)
