@@ -55,6 +55,10 @@ def _state(model, opt):
         state["held/weight_total"] = keras.ops.convert_to_numpy(held.weight_total)
         if held.touched is not None:
             state["held/touched"] = keras.ops.convert_to_numpy(held.touched)
+        for i, compensation in enumerate(held.compensations or []):
+            state[f"held/compensation{i}"] = keras.ops.convert_to_numpy(compensation)
+        for i, variable in enumerate(held.noise.variables() if held.noise is not None else []):
+            state[f"held/noise{i}"] = keras.ops.convert_to_numpy(variable)
         for i, kept in held.kept.items():  # TensorFlow's kept slices
             for kind, buffer in kept.parts.items():
                 for name in ("values", "indices", "filled"):
@@ -154,6 +158,25 @@ def test_a_bad_weight_leaves_kept_slices_as_they_were(execution, sparse):
     for xb, yb in batches[1:]:
         step(xb, yb, 1.0)
     assert_states_close(ref, full_state(model, opt))
+
+
+@pytest.mark.parametrize("execution", EXECUTIONS)
+@pytest.mark.parametrize(
+    "settings", [{"accumulator_dtype": "bfloat16"}, {"noise_scale": True}], ids=["compensated", "noise_scale"]
+)
+def test_a_bad_weight_leaves_the_other_sums_as_they_were(execution, settings):
+    n, b = 2, 4
+    x, y = make_data(b * n * 2)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), n, **settings)
+    opt.build(model.trainable_variables)
+    step = _runner(model, opt, execution)
+    batches = split(x, y, b)
+    for xb, yb in batches[:3]:
+        step(xb, yb, 1.0)
+    before = _state(model, opt)
+    _refused(step, *batches[3], float("nan"), execution)
+    assert_states_equal(before, _state(model, opt))
 
 
 @pytest.mark.parametrize("execution", EXECUTIONS)
