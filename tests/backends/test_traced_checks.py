@@ -118,13 +118,13 @@ def _refused(step, x, y, weight, execution):
 @pytest.mark.parametrize("execution", EXECUTIONS)
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")], ids=["negative", "nan", "inf"])
 @pytest.mark.parametrize("at", [0, 2, 3], ids=["first", "between", "last"])
-def test_a_bad_weight_changes_nothing_and_a_retry_equals_the_large_batch(execution, bad, at):
+def test_a_bad_weight_changes_nothing_and_a_retry_equals_the_large_batch(execution, bad, at, mode):
     n, b = 4, 4
     x, y = make_data(b * n * 2)
     ref = train_steps(make_mlp(), keras.optimizers.Adam(1e-2), split(x, y, b * n))
 
     model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(1e-2), n)
+    opt = accumulate(keras.optimizers.Adam(1e-2), n, mode=mode)
     opt.build(model.trainable_variables)
     step = _runner(model, opt, execution)
     batches = split(x, y, b)
