@@ -18,6 +18,8 @@ from typing import Any
 import keras
 from keras import ops
 
+from gradaccum._validation import check_n
+
 
 @keras.saving.register_keras_serializable(package="gradaccum", name="NoiseScaleSchedule")
 class NoiseScaleSchedule:
@@ -29,7 +31,8 @@ class NoiseScaleSchedule:
     Raises:
         TypeError: If `min_n` or `max_n` is not an int, or `hysteresis` not
             a number.
-        ValueError: If `min_n < 2`, `max_n < min_n` or `hysteresis < 0`.
+        ValueError: If `min_n < 2`, `max_n < min_n`, `max_n` is above what
+            the cycle's counters hold, or `hysteresis < 0`.
     """
 
     def __init__(self, min_n: int, max_n: int, hysteresis: float = 0.25):
@@ -48,6 +51,10 @@ class NoiseScaleSchedule:
             raise ValueError(
                 f"`max_n` must be >= `min_n`. Received: min_n={min_n!r}, max_n={max_n!r}."
             )
+        try:
+            check_n(max_n)
+        except ValueError as error:
+            raise ValueError(f"`max_n` is the largest `n`: {error}") from None
         expected = (
             "`hysteresis` must be a number >= 0: `n` changes only once the noise scale asks for "
             f"one more than (1 + hysteresis) times larger or smaller. Received: hysteresis={hysteresis!r}"

@@ -47,7 +47,13 @@ def accumulate(
             callable that takes the number of applied updates (an integer
             tensor; on PyTorch a Python int, so that nothing is read back
             from the device) and returns `n` for the next cycle, for example
-            `lambda step: keras.ops.where(step < 100, 2, 8)`.
+            `lambda step: keras.ops.where(step < 100, 2, 8)`. At most what
+            the cycle's counters hold: 2**63 - 1 on TensorFlow (int64),
+            2**31 - 1 on JAX and PyTorch (int32), checked for the active
+            backend. A schedule's value below 1 raises; traced, it raises
+            at run time where the backend can (a `tf.function` without
+            XLA), and is taken as 1 where it cannot (XLA, `jax.jit`), which
+            a warning says when the schedule is traced.
         reduction: `"mean"` (default) applies the mean of the micro-batch
             gradients, as training on the large batch with a mean-reduced loss
             does; `"sum"` applies their sum (for sum-reduced losses). Weighted
@@ -132,7 +138,7 @@ def accumulate(
             or `agc_exclude` has the wrong type, `noise_scale` is not a
             bool, `noise_decay` not a number or `accumulator_dtype` not a
             string.
-        ValueError: If `n < 1`, `reduction`, `mode`, `weigh_by`, `sparse` or
+        ValueError: If `n < 1` or above what the counters hold, `reduction`, `mode`, `weigh_by`, `sparse` or
             `accumulator_dtype` is unknown, `agc` or `agc_eps` is not a
             finite number > 0, `agc_exclude` is given without `agc`,
             `noise_decay` is outside [0, 1), `noise_scale=True` or

@@ -242,7 +242,26 @@ def follow(model: Any, optimizer: Any) -> None:
         optimizer: The accumulating optimizer that trains `model` (or a
             loss-scale optimizer around one). An optimizer that does not
             accumulate detaches the layers: they act as Keras's layer.
+
+    Raises:
+        TypeError: If `model` is not a Keras model or `optimizer` not a
+            Keras optimizer (the arguments swapped, say).
     """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a Keras model (the first argument: `follow(model, optimizer)`). "
+            f"Received: model={model!r} of type {type(model).__name__}."
+        )
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "`optimizer` must be a Keras optimizer, accumulating or not (the second argument: "
+            f"`follow(model, optimizer)`). Received: optimizer={optimizer!r} of type {type(optimizer).__name__}."
+        )
+    _point(model, optimizer)
+
+
+def _point(model: Any, optimizer: Any) -> None:
+    """`follow` for the patches: any model, and any optimizer or None."""
     layers = _layers_of(model)
     if not layers:
         return
@@ -258,7 +277,7 @@ def follow(model: Any, optimizer: Any) -> None:
 def after_compile(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
     result = wrapped(*args, **kwargs)
     if instance is not None:
-        follow(instance, getattr(instance, "optimizer", None))
+        _point(instance, getattr(instance, "optimizer", None))
     return result
 
 
@@ -266,7 +285,7 @@ def before_train_function(wrapped: Any, instance: Any, args: tuple, kwargs: dict
     # `fit` may have been given another optimizer since `compile`
     # (`gradaccum.accumulating` wraps a compiled model's).
     if instance is not None:
-        follow(instance, getattr(instance, "optimizer", None))
+        _point(instance, getattr(instance, "optimizer", None))
     return wrapped(*args, **kwargs)
 
 

@@ -52,7 +52,7 @@ from gradaccum._settings import Settings
 from gradaccum._state import State, variable_name
 from gradaccum._validation import check_gradient_shapes, check_step_arguments
 from gradaccum._view import AccumulationState
-from gradaccum._weights import Weights
+from gradaccum._weights import Weights, checked
 
 
 class Core:
@@ -99,9 +99,9 @@ class Core:
     def built(self) -> bool:
         return self.family.built and self.state is not None
 
-    def current_n(self) -> Any:
-        """`n` for the current cycle, as a backend integer tensor."""
-        return self.cycle.current(self.family.iterations)
+    def current_n(self, checks: list[tuple[Callable[[], Any], str]] | None = None) -> Any:
+        """`n` for the current cycle, as a backend integer tensor (`checks`: see `Cycle.current`)."""
+        return self.cycle.current(self.family.iterations, checks)
 
     def micro_step(self) -> Any:
         """Micro-steps taken in the current cycle (a backend tensor)."""
@@ -219,24 +219,29 @@ class Core:
         # In a graph, everything from reading the position on waits for the
         # gradients: a branch on a predicate that did not would start early.
         with self.backend.after(grads, variables, weight):
-            first, steps, ends = self._position()
-            state.check_unmet(ends)
-            with unchanged_if_raised(state, self.backend, ends):
-                given = self._add(grads, indices, weight, first)
-                self._finish_if(ends, steps, given)
+            checks = self.weights.checks()
+            first, steps, ends = self._position(checks)
+            with checked(self.backend, checks):
+                refused = self.weights.refused_unless(state, first, steps, ends, weight, grads, indices)
+                first, steps, ends, weight, grads = refused
+                state.check_unmet(ends)
+                with unchanged_if_raised(state, self.backend, ends):
+                    given = self._add(grads, indices, weight, first)
+                    self._finish_if(ends, steps, given)
 
-    def _position(self) -> tuple[Any, Any, Any]:
+    def _position(self, checks: list[tuple[Callable[[], Any], str]]) -> tuple[Any, Any, Any]:
         """`(first, steps, ends)`: whether this micro-step is its cycle's
         first, the cycle's micro-steps with it, whether it ends the cycle.
         Python values where the backend keeps the position on the host,
-        backend tensors elsewhere."""
+        backend tensors elsewhere. A traced `n`'s run-time checks are
+        appended to `checks`."""
         state, backend = self.state, self.backend
         if backend.host_counters:
             steps = state.host_micro_step + 1
             return steps == 1, steps, steps >= self.cycle.on_host(state.host_applied)
         micro_step = backend.read(state.micro_step)
         steps = micro_step + 1
-        return ops.equal(micro_step, 0), steps, ops.greater_equal(steps, self.current_n())
+        return ops.equal(micro_step, 0), steps, ops.greater_equal(steps, self.current_n(checks))
 
     def resync(self, counter: bool = True) -> None:
         """Reads the host's copy of the cycle's position (if `counter`) and,
@@ -274,7 +279,7 @@ class Core:
                 backend.max_into(accumulator, g, first)
             elif backend.is_slices(g) and self.settings.sparse != "rows":
                 kept = state.kept_for(i, self.settings.sparse == "slices")
-                backend.keep_slices(kept, g, weight, first)
+                self.weights.if_accepted(backend.keep_slices, kept, g, weight, first)
             elif state.compensated(i):
                 compensated[0].append(accumulator)
                 compensated[1].append(state.compensations[i])
@@ -308,7 +313,7 @@ class Core:
             missing += [c for i, c in enumerate(state.compensations or []) if i not in given]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
-        state.mark_touched(given, first)
+        state.mark_touched(given, first, self.weights.accepted)
         return given
 
     def flush(self) -> None:

@@ -12,6 +12,12 @@ from keras import ops
 from gradaccum._adaptive import NoiseScaleSchedule
 from gradaccum._validation import check_n
 
+TRACED_BELOW_ONE = (
+    "gradaccum: the `n` schedule is traced, so its value is checked at run time: a value below 1 "
+    "raises where the backend has run-time assertions (a `tf.function` without XLA) and is taken "
+    "as 1 where it has none (XLA, `jax.jit`). Return an int >= 1."
+)
+
 
 class Cycle:
     """Micro-batches per applied update: an int that may be set between
@@ -40,6 +46,8 @@ class Cycle:
         # (`follow`), and on the host its value for one applied-update count.
         self._chosen: Any = None
         self._host_chosen: tuple[int | None, int] | None = None
+        # Whether a traced schedule's rule was warned about.
+        self._warned_traced = False
 
     @property
     def value(self) -> int | Callable[[Any], Any]:
@@ -81,7 +89,7 @@ class Cycle:
                 "`n` was given as a schedule (a callable); it cannot be set to "
                 "an int afterwards. Let the schedule return the new value."
             )
-        value = check_n(value)
+        value = check_n(value, self._backend.counter_dtype)
         if value != 1 and self._n == 1 and self._handed_over_in_trace:
             warnings.warn(
                 f"`n` set to {value}, but a function (`tf.function`, `jax.jit`) traced with n=1 hands "
@@ -95,17 +103,25 @@ class Cycle:
         if self._variable is not None:
             self._backend.assign(self._variable, value)
 
-    def current(self, applied: Any) -> Any:
+    def current(self, applied: Any, checks: list[tuple[Callable[[], Any], str]] | None = None) -> Any:
         """`n` for the current cycle, as an integer tensor of the backend's
         counter dtype.
+
+        A schedule's value is checked where it is known (a Python int, or
+        eagerly). Traced, a value below 1 is taken as 1 (warned once, when
+        traced); the step's run-time check that it is not (`checks`) raises
+        where the backend has run-time assertions (a `tf.function` without
+        XLA).
 
         Args:
             applied: The wrapped optimizer's `iterations` (applied updates),
                 which a schedule takes.
+            checks: Where given, the run-time checks of a traced value are
+                appended to it: `(condition, message)`.
 
         Raises:
-            ValueError: If a schedule returns a value below 1 where that is
-                known (eagerly).
+            ValueError: If a schedule returns a value below 1, or above what
+                the counters hold, where that is known.
         """
         dtype = self._backend.counter_dtype
         adaptive = self._adaptive()
@@ -118,10 +134,13 @@ class Cycle:
             n = ops.cast(ops.round(chosen), dtype)
             return ops.maximum(n, ops.cast(adaptive.min_n, dtype))
         if self.schedule is not None:
-            n = ops.cast(self.schedule(applied), dtype)
-            if self._backend.known(n) and int(ops.convert_to_numpy(n)) < 1:
-                value = int(ops.convert_to_numpy(n))
-                raise ValueError(f"The `n` schedule returned {value}; it must return an int >= 1.")
+            n = self.schedule(applied)
+            if isinstance(n, numbers.Integral) or self._backend.known(n):
+                return ops.convert_to_tensor(self._checked(n), dtype=dtype)
+            n = ops.cast(n, dtype)
+            self._warn_traced()
+            if checks is not None:
+                checks.append((lambda: ops.greater_equal(n, 1), TRACED_BELOW_ONE))
             return ops.maximum(n, ops.cast(1, dtype))
         if self._variable is None:
             return ops.convert_to_tensor(self._n, dtype=dtype)
@@ -148,11 +167,24 @@ class Cycle:
                 chosen = 0 if self._chosen is None else int(ops.convert_to_numpy(self._chosen))
                 self._host_chosen = (applied, max(chosen, adaptive.min_n))
             return self._host_chosen[1]
-        n = self.schedule(applied)
+        return self._checked(self.schedule(applied))
+
+    def _checked(self, n: Any) -> int:
+        """A schedule's known value as an int, or raises naming `n`."""
         n = n if isinstance(n, numbers.Integral) else int(ops.convert_to_numpy(n))
         if n < 1:
             raise ValueError(f"The `n` schedule returned {n}; it must return an int >= 1.")
-        return int(n)
+        try:
+            return check_n(n, self._backend.counter_dtype)
+        except ValueError as error:
+            raise ValueError(f"The `n` schedule returned {n}: {error}") from None
+
+    def _warn_traced(self) -> None:
+        """Warns once that a traced schedule's values below 1 are taken as 1
+        where the backend cannot raise at run time."""
+        if not self._warned_traced:
+            self._warned_traced = True
+            warnings.warn(TRACED_BELOW_ONE, RuntimeWarning, stacklevel=2)
 
     def hands_over(self) -> bool:
         """Whether every micro-batch is a whole batch (`n` is the int 1)."""

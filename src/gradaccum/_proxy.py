@@ -96,8 +96,8 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
 
         Raises:
             TypeError: When set to anything but an int (bools included).
-            ValueError: When set to an int < 1, or when `n` was given as a
-                schedule.
+            ValueError: When set to an int < 1 or above what the counters
+                hold (see `accumulate`), or if `n` was given as a schedule.
         """
         return self._self_core.cycle.value
 
@@ -152,10 +152,9 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
     def flush(self) -> None:
         """Applies what the current cycle holds now, if it holds anything.
 
-        The update is the (weighted) mean over the micro-batches actually
-        accumulated (or their sum, for `reduction="sum"`); the cycle then
-        starts afresh. With an empty cycle nothing changes. Usable eagerly
-        and inside a traced function.
+        The update is the (weighted) mean over the micro-batches accumulated
+        (or their sum, for `reduction="sum"`); the cycle then starts afresh.
+        An empty cycle changes nothing. Usable eagerly and traced.
         """
         self._self_core.flush()
 
@@ -196,10 +195,11 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
             weight: Optional weight of this micro-batch (a number >= 0 or a
                 scalar tensor), for example its sample or token count. The
                 update applies `sum(w_i * g_i) / sum(w_i)` (`"mean"`) or
-                `sum(w_i * g_i)` (`"sum"`). Omitted, the micro-batch weighs
-                the count its loss was divided by if the loss was computed by
-                `model.compute_loss` (as in `model.fit`) and `weigh_by` is
-                `"count"`, else 1.
+                `sum(w_i * g_i)` (`"sum"`). Omitted, it is the count the loss
+                was divided by in `model.compute_loss` (as in `model.fit`,
+                with `weigh_by="count"`), else 1. A traced tensor below 0 or
+                not finite raises at run time; where nothing can (XLA,
+                `jax.jit`) its micro-step is refused and changes nothing.
             **kwargs: Keyword arguments of a tf_keras optimizer's
                 `apply_gradients` (`name`, `skip_gradients_aggregation`,
                 `experimental_aggregate_gradients`), passed on to it on the
@@ -275,7 +275,7 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
         Raises:
             TypeError: If `weight` is not a number or scalar tensor.
             ValueError: If the optimizer is not built, the lists do not
-                match its variables, or `weight` is negative or not finite.
+                match its variables, or an eager `weight` is not finite >= 0.
             NotImplementedError: On the TensorFlow backend: call `apply`.
         """
         if isinstance(self._self_runner, LossScaled):

@@ -157,16 +157,17 @@ class State:
         """Positions of the variables that take part, among those held."""
         return sorted(i for i in self.participants if i < len(self.accumulators))
 
-    def mark_touched(self, given: set[int], first: Any) -> None:
+    def mark_touched(self, given: set[int], first: Any, accepted: Any = None) -> None:
         """Records which variables received a gradient in this micro-step:
         they, and those of the cycle's earlier micro-steps, take part in its
         update; a variable without any gradient in the cycle does not, as
-        in the large batch."""
+        in the large batch. None where a traced `accepted` is false."""
         backend = self._backend
         if backend.host_counters:
             self.host_touched = set(given) if first else self.host_touched | given
         elif self.touched is not None:
             mask = ops.convert_to_tensor([int(i in given) for i in range(len(self.accumulators))], dtype="int32")
+            mask = mask if accepted is None else ops.where(accepted, mask, ops.zeros_like(mask))
             before = backend.read(self.touched)
             backend.assign(self.touched, ops.where(first, mask, ops.maximum(before, mask)))
 

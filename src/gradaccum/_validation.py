@@ -12,8 +12,31 @@ SPARSE = ("auto", "rows", "slices")
 ACCUMULATOR_DTYPES = ("float32", "bfloat16")
 
 
-def check_n(n: Any) -> int:
-    """Returns `n` as an int, or raises if it is not an integer >= 1."""
+# The largest value the backends' cycle counters hold (`Backend.counter_dtype`).
+COUNTER_MAX = {"int64": 2**63 - 1, "int32": 2**31 - 1}
+
+
+def counter_dtype_of_active() -> str:
+    """The counter dtype of the active Keras backend's hooks, known before
+    any state exists: int64 on TensorFlow, int32 on JAX and PyTorch."""
+    import keras
+
+    return "int64" if keras.config.backend() == "tensorflow" else "int32"
+
+
+def check_n(n: Any, counter_dtype: str | None = None) -> int:
+    """Returns `n` as an int, or raises if it is not an integer >= 1 that
+    the cycle's counters hold.
+
+    Args:
+        n: The value to check.
+        counter_dtype: The counters' dtype (`Backend.counter_dtype`); None
+            for the active backend's.
+
+    Raises:
+        TypeError: If `n` is not an integer.
+        ValueError: If `n` is below 1 or above what the counters hold.
+    """
     if isinstance(n, bool) or not isinstance(n, numbers.Integral):
         raise TypeError(
             "`n` must be an integer >= 1 (the number of micro-batches per "
@@ -23,6 +46,12 @@ def check_n(n: Any) -> int:
         raise ValueError(
             "`n` must be an integer >= 1 (the number of micro-batches per "
             f"update). Received: n={n!r}."
+        )
+    dtype = counter_dtype or counter_dtype_of_active()
+    if n > COUNTER_MAX[dtype]:
+        raise ValueError(
+            f"`n` must be at most {COUNTER_MAX[dtype]}, the largest value the cycle's "
+            f"{dtype} counters hold on this backend. Received: n={n!r}."
         )
     return int(n)
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from keras import ops
 
 from gradaccum._backend import Backend
 from gradaccum._validation import check_weight, check_weight_value
+
+WEIGHT_MESSAGE = "`weight` must be a finite number >= 0 (for example the micro-batch's sample count)."
+
+
+def _valid(weight: Any) -> Any:
+    return ops.logical_and(ops.greater_equal(weight, 0), ops.isfinite(weight))
 
 
 class Weights:
@@ -36,6 +42,9 @@ class Weights:
         self._devices_next = 0
         # The same for the micro-step running now (`take` sets it).
         self.devices = 0
+        # For an explicit weight traced (`take` sets it): whether it is
+        # finite and >= 0, a scalar boolean; else None.
+        self.accepted: Any = None
 
     @contextlib.contextmanager
     def weighing(self, weight: Any) -> Iterator[None]:
@@ -86,29 +95,99 @@ class Weights:
         backend = self._backend
         if backend.host_counters:
             # Checked on the device, without reading it (PyTorch).
-            backend.assert_that(
-                lambda: ops.logical_and(ops.greater_equal(weight, 0), ops.isfinite(weight)),
-                "`weight` must be a finite number >= 0 (for example the micro-batch's sample count).",
-            )
+            backend.assert_that(lambda: _valid(weight), WEIGHT_MESSAGE)
         elif backend.known(weight):
             check_weight_value(float(ops.convert_to_numpy(weight)))
+        else:
+            # Traced: the step checks it at run time (`accepted`).
+            self.accepted = _valid(weight)
+
+    def checks(self) -> list[tuple[Callable[[], Any], str]]:
+        """The run-time checks of this micro-step's weight, `(condition,
+        message)`: one where it is traced (see `accepted`), else none."""
+        accepted = self.accepted
+        return [] if accepted is None else [(lambda: accepted, WEIGHT_MESSAGE)]
+
+    def refused_unless(
+        self, state: Any, first: Any, steps: Any, ends: Any, weight: Any, grads: Sequence[Any], indices: Sequence[int]
+    ) -> tuple[Any, Any, Any, Any, list[Any]]:
+        """A micro-step's `(first, steps, ends, weight, grads)`, made to
+        write nothing new unless its traced weight is `accepted` (as given
+        where there is nothing to check).
+
+        Where no run-time assertion stops a refused weight's micro-step (XLA,
+        `jax.jit`), it runs as one that is not its cycle's first nor its
+        last, does not advance the count, and adds nothing: zero-weighted
+        zeros, or -inf into a maximum, instead of gradients a NaN weight
+        would turn into NaNs. Every write then keeps the value it reads
+        (`State.mark_touched` takes `accepted` too).
+
+        Args:
+            state: The accumulation state (which accumulators keep a maximum).
+            first, steps, ends, weight: As the micro-step has them.
+            grads: The micro-step's gradients (None where a variable has none).
+            indices: Each gradient's position in the state.
+        """
+        accepted, backend = self.accepted, self._backend
+        if accepted is None:
+            return first, steps, ends, weight, list(grads)
+
+        def refused(grad: Any, index: int) -> Any:
+            if grad is None:
+                return None
+            slices = backend.is_slices(grad)
+            values = grad.values if slices else grad
+            fill = float("-inf") if state.keeps_maximum(index) else 0.0
+            values = ops.where(accepted, values, ops.full_like(values, fill))
+            return type(grad)(values, grad.indices, grad.dense_shape) if slices else values
+
+        return (
+            ops.logical_and(first, accepted),
+            ops.where(accepted, steps, steps - 1),
+            ops.logical_and(ends, accepted),
+            ops.where(accepted, weight, ops.zeros_like(weight)),
+            [refused(g, i) for g, i in zip(grads, indices)],
+        )
+
+    def if_accepted(self, fn: Callable[..., None], *args: Any) -> None:
+        """Runs `fn(*args)`, only where a traced weight is `accepted`: for
+        writes that a refused weight's zeros would still change (kept
+        slices, appended or replacing the indices held)."""
+        if self.accepted is None:
+            fn(*args)
+        else:
+            self._backend.when(self.accepted, lambda: fn(*args))
 
     def take(self, weight: Any) -> tuple[Any, Any]:
         """`(weight, count)` for this micro-step: the explicit weight
-        (checked: a number always, a tensor where its value is known) or the
-        handed one, and the loss count. The count is taken either way, so
-        that it never outlives its step.
+        or the handed one (checked: a number always, a tensor where its
+        value is known, else at run time: see `accepted`), and the loss
+        count. The count is taken either way, so that it never outlives its
+        step.
 
         Raises:
             TypeError, ValueError: For a wrong explicit weight.
         """
+        self.accepted = None
         weight = check_weight(weight)
-        if weight is not None and not isinstance(weight, float):
-            self._check_value(weight)
         if weight is None:
             weight = self._handed.pop(self._backend.replica_id(), None)
+        if weight is not None and not isinstance(weight, float):
+            self._check_value(weight)
         count = self._counts.pop(self._backend.replica_id(), None)
         self.devices, self._devices_next = self._devices_next, 0
         if count is not None and not self._backend.usable_here(count):
             count, self.devices = None, 0
         return weight, count
+
+
+@contextlib.contextmanager
+def checked(backend: Backend, checks: Sequence[tuple[Callable[[], Any], str]]) -> Iterator[None]:
+    """Runs the block's ops after the run-time `checks` (condition,
+    message), where the backend asserts at run time (a `tf.function`
+    without XLA), so that a failed one leaves the state as it was."""
+    with contextlib.ExitStack() as stack:
+        for condition, message in checks:
+            stack.enter_context(backend.guarded(condition, message))
+        yield
+

@@ -38,12 +38,15 @@ class FlushPartialCycle(_Callback):
         at: `"epoch_end"` (default) or `"train_end"`.
 
     Raises:
+        TypeError: If `at` is not a string.
         ValueError: If `at` is neither, or, when called, if the model's
             optimizer is not accumulating.
     """
 
     def __init__(self, at: str = "epoch_end"):
         super().__init__()
+        if not isinstance(at, str):
+            raise TypeError(f"`at` must be a string, one of {_WHEN}. Received: at={at!r} of type {type(at).__name__}.")
         if at not in _WHEN:
             raise ValueError(f"`at` must be one of {_WHEN}. Received: at={at!r}.")
         self.at = at
@@ -92,12 +95,24 @@ class GradientNoiseScale(_Callback):
         estimates: Whether to log the estimates of |G|² and tr(Σ) too.
 
     Raises:
+        TypeError: If `update_freq` is neither a string nor an int, or
+            `estimates` is not a bool.
         ValueError: If `update_freq` is neither, or, when called, if the
             model's optimizer does not measure the noise scale.
     """
 
     def __init__(self, update_freq: str | int = "epoch", estimates: bool = False):
         super().__init__()
+        if isinstance(update_freq, bool) or not isinstance(update_freq, (str, int)):
+            raise TypeError(
+                "`update_freq` must be \"epoch\" or an int >= 1. "
+                f"Received: update_freq={update_freq!r} of type {type(update_freq).__name__}."
+            )
+        if not isinstance(estimates, bool):
+            raise TypeError(
+                "`estimates` must be True (log the estimates of |G|² and tr(Σ) too) or False. "
+                f"Received: estimates={estimates!r} of type {type(estimates).__name__}."
+            )
         if update_freq != "epoch" and (isinstance(update_freq, bool) or not isinstance(update_freq, int)
                                        or update_freq < 1):
             raise ValueError(f"`update_freq` must be \"epoch\" or an int >= 1. Received: update_freq={update_freq!r}.")

@@ -43,6 +43,7 @@ def from_noise_scale(min_n: int, max_n: int, hysteresis: float = 0.25) -> NoiseS
     Raises:
         TypeError: If `min_n` or `max_n` is not an int, or `hysteresis` not
             a number.
-        ValueError: If `min_n < 2`, `max_n < min_n` or `hysteresis < 0`.
+        ValueError: If `min_n < 2`, `max_n < min_n`, `max_n` is above what
+            the cycle's counters hold, or `hysteresis < 0`.
     """
     return NoiseScaleSchedule(min_n, max_n, hysteresis)

@@ -10,8 +10,22 @@ import keras
 import numpy as np
 import pytest
 
+import gradaccum
+import gradaccum.callbacks
+import gradaccum.layers
+import gradaccum.schedules
 from gradaccum import AccumulatingOptimizer, accumulate
-from tests.helpers import BACKEND, gradients, make_data, make_mlp
+from tests.helpers import (
+    BACKEND,
+    assert_states_close,
+    assert_states_equal,
+    full_state,
+    gradients,
+    make_data,
+    make_mlp,
+    split,
+    train_steps,
+)
 
 
 @pytest.mark.parametrize("bad_n", [0, -1, 2.0, "4", True, False, None])
@@ -177,3 +191,63 @@ def test_bad_weight(entry, bad, error):
             opt.apply(grads, model.trainable_variables, weight=bad)
         else:
             opt.apply_gradients(zip(grads, model.trainable_variables), weight=bad)
+
+
+# The cycle's counters: int64 on TensorFlow, int32 on JAX and PyTorch.
+COUNTER_MAX = 2**63 - 1 if BACKEND == "tensorflow" else 2**31 - 1
+
+
+@pytest.mark.parametrize("too_large", [COUNTER_MAX + 1, 2**64])
+def test_n_above_what_the_counters_hold_is_refused_by_name(too_large):
+    with pytest.raises(ValueError, match=f"`n` must be at most {COUNTER_MAX}.*n={too_large}"):
+        accumulate(keras.optimizers.SGD(), too_large)
+    assert accumulate(keras.optimizers.SGD(), COUNTER_MAX).n == COUNTER_MAX
+
+
+def test_setting_n_above_the_counters_changes_nothing():
+    x, y = make_data(32)
+    ref = train_steps(make_mlp(), keras.optimizers.Adam(1e-2), split(x, y, 8))
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), 2)
+    batches = split(x, y, 4)
+    train_steps(model, opt, batches[:3])
+    before = full_state(model, opt)
+    with pytest.raises(ValueError, match=f"`n` must be at most {COUNTER_MAX}"):
+        opt.n = COUNTER_MAX + 1
+    assert opt.n == 2
+    assert_states_equal(before, full_state(model, opt))
+    assert_states_close(ref, train_steps(model, opt, batches[3:]))
+
+
+def test_a_schedule_above_the_counters_is_refused_by_name():
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.SGD(1e-2), n=lambda applied: COUNTER_MAX + 1)
+    x, y = make_data(4)
+    with pytest.raises(ValueError, match=f"schedule returned {COUNTER_MAX + 1}.*`n` must be at most"):
+        opt.apply(gradients(model, x, y), model.trainable_variables)
+    with pytest.raises(ValueError, match="`max_n`.*`n` must be at most"):
+        gradaccum.schedules.from_noise_scale(2, COUNTER_MAX + 1)
+
+
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_callback_flags_are_booleans(bad):
+    with pytest.raises(TypeError, match="`estimates` must be True.*or False"):
+        gradaccum.callbacks.GradientNoiseScale(estimates=bad)
+
+
+@pytest.mark.parametrize("bad, error", [(2.5, TypeError), ("2", ValueError), (0, ValueError)])
+def test_callback_arguments_are_checked_by_name(bad, error):
+    with pytest.raises(error, match="`update_freq`"):
+        gradaccum.callbacks.GradientNoiseScale(update_freq=bad)
+    with pytest.raises(TypeError, match="`at` must be a string"):
+        gradaccum.callbacks.FlushPartialCycle(at=1)
+
+
+def test_follow_refuses_swapped_arguments_by_name():
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.SGD(), 2)
+    with pytest.raises(TypeError, match="`model` must be a Keras model"):
+        gradaccum.layers.follow(opt, model)
+    with pytest.raises(TypeError, match="`optimizer` must be a Keras optimizer"):
+        gradaccum.layers.follow(model, "sgd")
+    gradaccum.layers.follow(model, opt)  # the right order

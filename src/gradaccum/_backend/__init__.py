@@ -264,7 +264,8 @@ class Backend(Protocol):
 
     def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
         """In a traced step, a run-time assertion of `condition()`, where the
-        backend has one; else nothing."""
+        backend has one (not JAX; TensorFlow's, which XLA drops, not under
+        XLA); else nothing."""
 
     def any_nonzero(self, variables: Sequence[Any]) -> Any:
         """Scalar boolean: some element of some of `variables` is not 0."""
