@@ -48,6 +48,13 @@ from gradaccum._validation import check_gradient_shapes, check_step_arguments
 from gradaccum._view import AccumulationState
 from gradaccum._weights import Weights
 
+_NOT_SPLIT = (
+    "This optimizer accumulates with micro_batch_size={size}: it splits Keras's own train step "
+    "inside `model.fit` into micro-batches, but `apply_gradients` was called outside such a step "
+    "(a model that overrides `train_step`, or a custom training loop), whose batch gradaccum cannot "
+    "split. Accumulate across steps there: accumulate(optimizer, n=k) with batches of B / k."
+)
+
 
 class Core:
     """Gradient accumulation for one optimizer (see the module docstring).
@@ -179,6 +186,8 @@ class Core:
         Raises:
             ValueError: See `AccumulatingOptimizer.apply`.
         """
+        if self.settings.micro_batch_size is not None and self.cycle.split is None:
+            raise ValueError(_NOT_SPLIT.format(size=self.settings.micro_batch_size))
         self.options = options
         weight, count = self.weights.take(weight)
         grads, variables = check_step_arguments(grads, variables, self.state.variables if self.built else None)

@@ -1,0 +1,57 @@
+"""Micro-batches inside `model.fit`'s train step: `accumulate(opt, micro_batch_size=m)`.
+
+`fit(batch_size=B)` keeps `B` as the batch the user means: Keras's original
+train step runs once per micro-batch of `m` samples of the batch (the last
+one smaller where `m` does not divide `B`), and the accumulating core makes
+those `k = ceil(B / m)` micro-steps one cycle (`Cycle.splitting`). So the
+optimizer applies once per batch, `iterations`, schedules, callbacks and
+checkpoints count updates, and everything a micro-step does (loss counts,
+kept `tf.IndexedSlices`, loss scaling, AGC) is the accumulation's own.
+
+Keras's train step of each backend is wrapped (see `gradaccum._patches`);
+the loop over micro-batches is the backend's (`gradaccum._backend.
+micro_batches`). A model that overrides `train_step` runs its own step, which
+is not split: its `apply_gradients` then raises, saying to accumulate
+across steps with `n` (see `Core.step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gradaccum import _backend, _families
+from gradaccum._backend import micro_batches
+
+
+def _splitting(model: Any) -> Any:
+    """The core that splits `model`'s train step, or None."""
+    core = _families.core_in(getattr(model, "optimizer", None))
+    if core is None or core.settings.micro_batch_size is None or core.cycle.split is not None:
+        return None
+    return core
+
+
+def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `train_step` of the TensorFlow, JAX and PyTorch trainers,
+    split into micro-batches for a model whose optimizer has a
+    `micro_batch_size`."""
+    core = _splitting(instance)
+    if core is None:
+        return wrapped(*args, **kwargs)
+    size = core.settings.micro_batch_size
+    backend = _backend.active()
+    if backend == "jax":
+        state, data = _arguments(args, kwargs, ("state", "data"))
+        return micro_batches.split_jax(wrapped, state, data, size, core.cycle.splitting)
+    (data,) = _arguments(args, kwargs, ("data",))
+    if backend == "torch":
+        return micro_batches.split_eagerly(wrapped, data, size, core.cycle.splitting)
+    from gradaccum._backend.tensorflow import micro_batches as tensorflow_micro_batches
+
+    return tensorflow_micro_batches.split(wrapped, data, size, core.cycle.splitting, instance.get_metrics_result())
+
+
+def _arguments(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[Any, ...]:
+    given = dict(zip(names, args), **kwargs)
+    return tuple(given[name] for name in names)
