@@ -9,10 +9,11 @@ checkpoints count updates, and everything a micro-step does (loss counts,
 kept `tf.IndexedSlices`, loss scaling, AGC) is the accumulation's own.
 
 Keras's train step of each backend is wrapped (see `gradaccum._patches`);
-the loop over micro-batches is the backend's (`gradaccum._backend.
-micro_batches`). A model that overrides `train_step` runs its own step, which
-is not split: its `apply_gradients` then raises, saying to accumulate
-across steps with `n` (see `Core.step`).
+the loop over micro-batches is the backend's
+(`gradaccum._backend.split_train_step`). A step that calls Keras's own
+(`super().train_step(data)`) is split there. A model that overrides
+`train_step` with a step of its own is not split: its `apply_gradients`
+then raises, saying to accumulate across steps with `n` (see `Core.step`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from gradaccum import _backend, _families
-from gradaccum._backend import micro_batches
 
 
 def _splitting(model: Any) -> Any:
@@ -39,19 +39,6 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
     core = _splitting(instance)
     if core is None:
         return wrapped(*args, **kwargs)
-    size = core.settings.micro_batch_size
-    backend = _backend.active()
-    if backend == "jax":
-        state, data = _arguments(args, kwargs, ("state", "data"))
-        return micro_batches.split_jax(wrapped, state, data, size, core.cycle.splitting)
-    (data,) = _arguments(args, kwargs, ("data",))
-    if backend == "torch":
-        return micro_batches.split_eagerly(wrapped, data, size, core.cycle.splitting)
-    from gradaccum._backend.tensorflow import micro_batches as tensorflow_micro_batches
-
-    return tensorflow_micro_batches.split(wrapped, data, size, core.cycle.splitting, instance.get_metrics_result())
-
-
-def _arguments(args: tuple, kwargs: dict, names: tuple[str, ...]) -> tuple[Any, ...]:
-    given = dict(zip(names, args), **kwargs)
-    return tuple(given[name] for name in names)
+    return _backend.split_train_step(
+        wrapped, args, kwargs, core.settings.micro_batch_size, core.cycle.splitting, instance
+    )

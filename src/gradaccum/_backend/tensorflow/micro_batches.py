@@ -6,7 +6,10 @@ original train step once per full micro-batch of `size` samples (a slice
 of static size, as XLA needs), and a `tf.cond` once more for a ragged last
 micro-batch. Every variable the step writes exists before the loop: the
 optimizer and its accumulators are built by `fit` before it traces the
-step; kept `tf.IndexedSlices` are refused (see `split`).
+step, and kept `tf.IndexedSlices` are created when the step is traced (in
+`tf.init_scope`), for the largest cycle the trace's batch size allows
+(`kept.split_into`; under XLA a cycle past that reads as NaN, see
+`buffers`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 import tensorflow as tf
 from keras import tree
+
+from gradaccum._backend.tensorflow import kept
 
 
 def _slice(data: Any, start: Any, size: Any) -> Any:
@@ -54,7 +59,8 @@ def split(
     full = total // size
     rest = total - full * size
     count = full + tf.cast(rest > 0, tf.int32)
-    with splitting(count):
+    known = leaf.shape[0]
+    with splitting(count), kept.split_into(None if known is None else -(-known // size)):
 
         def body(i: Any, logs: Any) -> tuple[Any, Any]:
             logs = step(_slice(data, i * size, size))
