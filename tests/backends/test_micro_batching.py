@@ -11,6 +11,7 @@ import pytest
 
 from gradaccum import accumulate, accumulating
 from tests.helpers import (
+    BACKEND,
     JIT,
     as_int,
     assert_states_close,
@@ -182,3 +183,31 @@ def test_config_keeps_micro_batch_size():
     opt = accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=3)
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
     assert again.micro_batch_size == 3 and again.n == 1
+
+
+def _step_temp_bytes(size, batch):
+    """XLA's temporary memory of the compiled JAX train step for `batch`
+    samples, split into micro-batches of `size` (None: plain)."""
+    import jax
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                              keras.layers.Dense(256, activation="relu"), keras.layers.Dense(8)])
+    opt = keras.optimizers.Adam(1e-3)
+    x, y = np.zeros((batch, 64), "float32"), np.zeros((batch, 8), "float32")
+    fit(model, opt if size is None else accumulate(opt, micro_batch_size=size), x, y, batch, jit_compile=True)
+    state = model._get_jax_state(
+        trainable_variables=True, non_trainable_variables=True, optimizer_variables=True, metrics_variables=True
+    )
+    return jax.jit(model.train_step).lower(state, (x, y)).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="XLA's compiled memory analysis of JAX's train step")
+def test_step_memory_is_that_of_a_micro_batch():
+    """One compiled body (`jax.lax.scan`): the step's temporary memory
+    follows the micro-batch, not the batch."""
+    plain = _step_temp_bytes(None, 1024)
+    small, large = _step_temp_bytes(32, 256), _step_temp_bytes(32, 1024)
+    assert large < plain / 4
+    assert large <= small * 1.05
+    assert _step_temp_bytes(128, 1024) > large
