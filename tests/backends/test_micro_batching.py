@@ -211,3 +211,24 @@ def test_step_memory_is_that_of_a_micro_batch():
     assert large < plain / 4
     assert large <= small * 1.05
     assert _step_temp_bytes(128, 1024) > large
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution's data parallelism runs on JAX")
+def test_data_parallel_equals_one_device_and_all_reduces_gradients_once_per_batch():
+    from tests.backends.test_data_parallel_local import _all_reduces, _optimized_train_step, _per_device
+    from tests.backends.test_distribution import two_devices
+
+    x, y = make_data(4 * B)
+    reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(reference, ref_opt, x, y, 2 * B)
+    with keras.distribution.DataParallel(devices=two_devices()).scope(), _per_device():
+        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=4)
+        fit(model, opt, x, y, 2 * B)
+        outside, inside = _all_reduces(_optimized_train_step(model, x[: 2 * B], y[: 2 * B]))
+    assert as_int(opt.iterations) == 2
+    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
+    # Each micro-step exchanges scalars (its loss, its count); the gradients
+    # are exchanged in the branch that applies the batch's update.
+    parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    assert max(outside) < 8, outside
+    assert sum(e for e in inside if e >= parameters) == parameters, inside
