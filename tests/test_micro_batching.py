@@ -8,7 +8,8 @@ import keras
 import pytest
 
 from gradaccum import accumulate
-from tests.helpers import MODES, assert_states_close, fit, full_state
+from tests.helpers import MODES, assert_states_close, fit, full_state, make_data, make_mlp
+from tests.helpers.distribute import mirrored
 from tests.test_sparse_exact import OPTIMIZERS, _data, _model
 
 B, SIZE = 8, 3
@@ -54,8 +55,6 @@ def test_xla_with_a_ragged_last_batch_says_which_variable_is_not_kept():
 
 @pytest.mark.parametrize("jit", (False, True), ids=("graph", "xla"))
 def test_dense_model_equals_plain_fit(jit):
-    from tests.helpers import make_data, make_mlp
-
     x, y = make_data(3 * B + 5)
     reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
     fit(reference, ref_opt, x, y, B, jit_compile=jit)
@@ -63,3 +62,11 @@ def test_dense_model_equals_plain_fit(jit):
     fit(model, opt, x, y, B, jit_compile=jit)
     assert int(opt.iterations) == 4
     assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
+
+
+def test_several_replicas_are_told_to_use_n():
+    x, y = make_data(2 * B)
+    with mirrored().scope():
+        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=SIZE)
+    with pytest.raises(ValueError, match=r"micro_batch_size=3.*2 replicas.*n=k"):
+        fit(model, opt, x, y, B)

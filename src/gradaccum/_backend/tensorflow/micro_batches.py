@@ -53,7 +53,19 @@ def split(
 
     Returns:
         The logs of the last micro-batch.
+
+    Raises:
+        ValueError: Under a `tf.distribute` strategy of several replicas,
+            whose variable writes (merge calls) cannot run in a loop.
     """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        raise ValueError(
+            f"micro_batch_size={size} splits the train step in a `tf.while_loop`, and under a "
+            f"tf.distribute strategy of {replicas} replicas the optimizer's writes (merge calls) "
+            "cannot run in a loop. Accumulate across steps there: accumulate(optimizer, n=k) with "
+            "batches of B / k."
+        )
     leaf = next(tf.convert_to_tensor(t) for t in tree.flatten(data) if t is not None)
     total = tf.shape(leaf, out_type=tf.int32)[0]
     full = total // size
