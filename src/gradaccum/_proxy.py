@@ -94,15 +94,24 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
         mean over all of them. On TensorFlow under XLA, buffers of kept
         `tf.IndexedSlices` grow at once to hold a cycle of the new `n`.
 
+        With `micro_batch_size`, `n` is 1: each train step of `fit` is one
+        cycle of its own micro-batches.
+
         Raises:
             TypeError: When set to anything but an int (bools included).
-            ValueError: When set to an int < 1, or when `n` was given as a
-                schedule.
+            ValueError: When set to an int < 1, when `n` was given as a
+                schedule, or with `micro_batch_size`.
         """
         return self._self_core.cycle.value
 
     @n.setter
     def n(self, value: int) -> None:
+        size = self._self_core.settings.micro_batch_size
+        if size is not None:
+            raise ValueError(
+                f"This optimizer splits each train step into micro-batches of micro_batch_size={size}; "
+                f"its cycle is the step's micro-batches, so `n` cannot be set. Received: n={value!r}."
+            )
         self._self_core.cycle.set(value)
         state = self._self_core.state
         if state is not None:

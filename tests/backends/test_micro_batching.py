@@ -232,3 +232,22 @@ def test_data_parallel_equals_one_device_and_all_reduces_gradients_once_per_batc
     parameters = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     assert max(outside) < 8, outside
     assert sum(e for e in inside if e >= parameters) == parameters, inside
+
+
+def test_n_cannot_be_set_with_micro_batch_size():
+    opt = accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=3)
+    with pytest.raises(ValueError, match=r"micro_batch_size=3.*n=4"):
+        opt.n = 4
+    assert opt.n == 1
+
+
+def test_loss_scale_optimizer_equals_plain_fit():
+    """Only finite, unscaled micro-gradients are accumulated; the loss-scale
+    optimizer's own step counter counts micro-batches, as with `n`."""
+    x, y = make_data(3 * B + 5)
+    LSO = keras.optimizers.LossScaleOptimizer
+    reference, subject, _, _, opt = _pair(lambda: LSO(keras.optimizers.Adam(1e-2)), 3, x, y)
+    assert int(reference.pop("opt/step_counter")) == 4
+    assert int(subject.pop("opt/step_counter")) == 3 * 3 + 2  # 3 batches of 3 micro-batches, one of 2
+    assert as_int(opt.iterations) == 4
+    assert_states_close(reference, subject)
