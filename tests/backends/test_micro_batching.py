@@ -251,3 +251,18 @@ def test_loss_scale_optimizer_equals_plain_fit():
     assert int(subject.pop("opt/step_counter")) == 3 * 3 + 2  # 3 batches of 3 micro-batches, one of 2
     assert as_int(opt.iterations) == 4
     assert_states_close(reference, subject)
+
+
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    (
+        pytest.param({"run_eagerly": True}, id="eager"),
+        pytest.param({"steps_per_execution": 2}, id="steps_per_execution", marks=pytest.mark.skipif(
+            BACKEND == "torch", reason="Keras's PyTorch trainer takes steps_per_execution=1 only")),
+    ),
+)
+def test_eager_and_multi_step_functions(compile_kwargs):
+    x, y = make_data(3 * B + 5)
+    reference, subject, _, _, opt = _pair(lambda: keras.optimizers.Adam(1e-2), 3, x, y, **compile_kwargs)
+    assert as_int(opt.iterations) == 4
+    assert_states_close(reference, subject)
