@@ -36,7 +36,7 @@ from typing import Any
 
 from keras import ops
 
-from gradaccum import _agc, _compensated
+from gradaccum import _agc, _compensated, _micro_batches
 from gradaccum._adaptive import NoiseScaleSchedule
 from gradaccum._backend import Backend
 from gradaccum._cycle import Cycle
@@ -68,11 +68,12 @@ class Core:
 
     Raises:
         ValueError: If the backend cannot take a setting (`sparse="slices"`
-            off TensorFlow).
+            off TensorFlow), or the optimizer's library `micro_batch_size`.
     """
 
     def __init__(self, family: Any, settings: Settings, backend: Backend, on_built: Callable[[State], None]):
         backend.check_settings(settings)
+        _micro_batches.check_family(settings, family)
         self.family = family
         self.settings = settings
         self.backend = backend

@@ -42,3 +42,18 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
     return _backend.split_train_step(
         wrapped, args, kwargs, core.settings.micro_batch_size, core.cycle.splitting, instance
     )
+
+
+def check_family(settings: Any, family: Any) -> None:
+    """Raises if `settings` ask for a `micro_batch_size` with an optimizer
+    whose `fit` is not split (only Keras 3's train steps are).
+
+    Raises:
+        ValueError: Naming the optimizer's library.
+    """
+    if settings.micro_batch_size is not None and family.name != "Keras 3":
+        raise ValueError(
+            f"micro_batch_size={settings.micro_batch_size} splits Keras 3's train step inside `model.fit`; "
+            f"a {family.name} optimizer's `fit` is not split. Accumulate across steps with "
+            "accumulate(optimizer, n=k) and batches of B / k."
+        )
