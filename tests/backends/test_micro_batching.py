@@ -266,3 +266,19 @@ def test_eager_and_multi_step_functions(compile_kwargs):
     reference, subject, _, _, opt = _pair(lambda: keras.optimizers.Adam(1e-2), 3, x, y, **compile_kwargs)
     assert as_int(opt.iterations) == 4
     assert_states_close(reference, subject)
+
+
+def test_noise_scale_is_that_of_the_same_micro_batches_across_steps():
+    """A split step's cycle is the cycle `n` forms of the same micro-batches
+    across steps: the same noise scale, the same state."""
+    x, y = make_data(4 * B)
+    runs = []
+    for wrap, batch in ((lambda o: accumulate(o, 4, noise_scale=True), 2),
+                        (lambda o: accumulate(o, micro_batch_size=2, noise_scale=True), B)):
+        model, opt = make_mlp(), wrap(keras.optimizers.Adam(1e-2))
+        fit(model, opt, x, y, batch)
+        runs.append((full_state(model, opt), opt.noise_scale))
+    (across, across_noise), (split, split_noise) = runs
+    assert split_noise is not None
+    np.testing.assert_allclose(split_noise, across_noise, rtol=1e-5)
+    assert_states_close(across, split)
