@@ -7,9 +7,9 @@ of static size, as XLA needs), and a `tf.cond` once more for a ragged last
 micro-batch. Every variable the step writes exists before the loop: the
 optimizer and its accumulators are built by `fit` before it traces the
 step, and kept `tf.IndexedSlices` are created when the step is traced (in
-`tf.init_scope`), for the largest cycle the trace's batch size allows
-(`kept.split_into`; under XLA a cycle past that reads as NaN, see
-`buffers`).
+`tf.init_scope`). Under XLA their buffers hold the cycle the trace's batch
+size allows (`kept.split_into`); where the trace does not know it, a
+variable's slices are added into rows, with a warning that names it.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def split(
             logs = step(_slice(data, i * size, size))
             return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
 
-        _, logs = tf.while_loop(lambda i, _: i < full, body, (tf.constant(0), initial_logs))
+        # One micro-batch after the other: each reads the variables the last wrote.
+        _, logs = tf.while_loop(lambda i, _: i < full, body, (tf.constant(0), initial_logs), parallel_iterations=1)
 
         def last() -> Any:
             return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, rest)))
