@@ -203,10 +203,14 @@ class Decorator:
 
         return make
 
-    def __repr__(self) -> str:
+    @property
+    def given(self) -> str:
+        """The decorator's defining argument as written: `n=4` or `micro_batch_size=8`."""
         size = self.settings.micro_batch_size
-        given = f"n={self.settings.n!r}" if size is None else f"micro_batch_size={size!r}"
-        return f"<gradaccum.accumulate({given}) decorator>"
+        return f"n={self.settings.n!r}" if size is None else f"micro_batch_size={size!r}"
+
+    def __repr__(self) -> str:
+        return f"<gradaccum.accumulate({self.given}) decorator>"
 
 
 def optimizer_get(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -219,11 +223,11 @@ def optimizer_get(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     """
     identifier = args[0] if args else kwargs.get("identifier")
     if isinstance(identifier, Decorator):
-        n = identifier.settings.n
+        given = identifier.given
         raise TypeError(
-            f"`optimizer` is accumulate(n={n!r}) without an optimizer: that is a decorator for an "
+            f"`optimizer` is accumulate({given}) without an optimizer: that is a decorator for an "
             "optimizer class. Pass the optimizer to wrap, "
-            f"accumulate(keras.optimizers.Adam(1e-3), n={n!r}), or decorate a class and create "
-            f"one: accumulate(n={n!r})(keras.optimizers.Adam)(1e-3)."
+            f"accumulate(keras.optimizers.Adam(1e-3), {given}), or decorate a class and create "
+            f"one: accumulate({given})(keras.optimizers.Adam)(1e-3)."
         )
     return wrapped(*args, **kwargs)

@@ -282,3 +282,11 @@ def test_noise_scale_is_that_of_the_same_micro_batches_across_steps():
     assert split_noise is not None
     np.testing.assert_allclose(split_noise, across_noise, rtol=1e-5)
     assert_states_close(across, split)
+
+
+def test_decorator_form():
+    make = accumulate(micro_batch_size=3)
+    assert repr(make) == "<gradaccum.accumulate(micro_batch_size=3) decorator>"
+    assert make(keras.optimizers.Adam)(1e-2).micro_batch_size == 3
+    with pytest.raises(TypeError, match=r"accumulate\(keras.optimizers.Adam\(1e-3\), micro_batch_size=3\)"):
+        make_mlp().compile(optimizer=make, loss="mse")
