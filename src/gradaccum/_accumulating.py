@@ -56,6 +56,7 @@ import keras
 from gradaccum import _batch_norm, _patches
 from gradaccum._proxy import AccumulatingOptimizer, accumulating_in
 from gradaccum._settings import Settings
+from gradaccum._validation import check_n_or_micro_batch_size
 
 _local = threading.local()
 
@@ -191,8 +192,9 @@ _PATCHES = ("keras.compile", "keras.fit", "tf_keras.compile", "tf_keras.fit")
 
 @contextlib.contextmanager
 def accumulating(
-    n: int | Callable[..., Any],
+    n: int | Callable[..., Any] | None = None,
     *,
+    micro_batch_size: int | None = None,
     reduction: str | None = None,
     batch_normalization: bool = False,
     **settings: Any,
@@ -208,9 +210,20 @@ def accumulating(
         third_party.train(model_config, batch_size=8)   # compiles and fits
     ```
 
+    ```python
+    with gradaccum.accumulating(micro_batch_size=8):
+        third_party.train(model_config, batch_size=64)  # one update per 64
+    ```
+
     Args:
-        n: Micro-batches per update (an int >= 1 or a schedule), as for
-            `accumulate()`.
+        n: Micro-batches per update, across train steps (an int >= 1 or a
+            schedule), as for `accumulate()`; not with `micro_batch_size`.
+        micro_batch_size: Instead of `n`: the samples of one micro-batch
+            inside `model.fit`'s train step, as for `accumulate()`. Each
+            batch of the code's `fit` is then one update, computed in
+            micro-batches. A model that overrides `train_step` with a step
+            of its own cannot be split: its `apply_gradients` raises and
+            says to use `n`.
         reduction: `"mean"` or `"sum"`, as for `accumulate()`. By default
             (`None`) it follows the compiled loss: `"sum"` for a loss object
             whose `reduction` is `"sum"`, else `"mean"`. Pass `"sum"` for a
@@ -231,16 +244,22 @@ def accumulating(
         accumulate).
 
     Raises:
-        TypeError: If a setting has the wrong type, or `batch_normalization`
-            is not a bool.
-        ValueError: If a setting has a wrong value.
+        TypeError: If a setting has the wrong type, both `n` and
+            `micro_batch_size` are missing, or `batch_normalization` is not
+            a bool.
+        ValueError: If a setting has a wrong value, or both `n` and
+            `micro_batch_size` are given.
     """
     if not isinstance(batch_normalization, bool):
         raise TypeError(
             "`batch_normalization` must be True or False. Received: "
             f"batch_normalization={batch_normalization!r}."
         )
-    block = _Block(Settings(n, reduction=reduction or "mean", **settings), follows_loss=reduction is None)
+    check_n_or_micro_batch_size(n, micro_batch_size)
+    if micro_batch_size is not None:
+        n = 1  # each train step is one cycle, of its own micro-batches
+    settings = Settings(n, reduction=reduction or "mean", micro_batch_size=micro_batch_size, **settings)
+    block = _Block(settings, follows_loss=reduction is None)
     _patches.install()
     acquired = []
     try:

@@ -11,6 +11,7 @@ import keras
 from gradaccum import _patches
 from gradaccum._proxy import AccumulatingOptimizer
 from gradaccum._settings import Settings
+from gradaccum._validation import check_n_or_micro_batch_size
 
 
 def accumulate(
@@ -27,6 +28,7 @@ def accumulate(
     noise_scale: bool = False,
     noise_decay: float = 0.9,
     accumulator_dtype: str = "float32",
+    micro_batch_size: int | None = None,
 ) -> AccumulatingOptimizer | Decorator:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -38,12 +40,16 @@ def accumulate(
     ```python
     opt = accumulate(keras.optimizers.Adam(1e-3), n=4)
     AccAdam = accumulate(n=4)(keras.optimizers.Adam)   # decorator form
+    # model.fit(batch_size=64) applies once per batch of 64, computed in
+    # micro-batches of 16 inside each train step:
+    opt = accumulate(keras.optimizers.Adam(1e-3), micro_batch_size=16)
     ```
 
     Args:
         optimizer: A Keras optimizer instance. Omit it to get a decorator for
             an optimizer class or factory function.
-        n: Micro-batches per applied update: an int >= 1, or a schedule: a
+        n: Micro-batches per applied update, across train steps (custom
+            train steps and loops; not with `micro_batch_size`): an int >= 1, or a schedule: a
             callable that takes the number of applied updates (an integer
             tensor; on PyTorch a Python int, so that nothing is read back
             from the device) and returns `n` for the next cycle, for example
@@ -127,18 +133,28 @@ def accumulate(
             variables) or `"bfloat16"`: bfloat16 accumulators with
             compensated (Kahan) summation, for bfloat16 models (see
             docs/guides/accumulator-dtype.md for its memory and error).
+        micro_batch_size: Instead of `n`: the samples of one micro-batch
+            inside `model.fit`'s train step, an int >= 1. `fit(batch_size=B)`
+            then computes each batch in `ceil(B / micro_batch_size)`
+            micro-batches and applies once per batch, as plain `fit` on
+            batches of `B` does (the last micro-batch may be smaller). Only
+            Keras's own train step is split: `apply_gradients` called from
+            an overridden `train_step` or a custom loop raises (use `n`
+            there). See docs/guides/micro-batching.md.
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
         without `optimizer`, a decorator whose result builds one per call.
 
     Raises:
-        TypeError: If `n` is missing or neither an int nor a callable,
+        TypeError: If both `n` and `micro_batch_size` are missing, `n` is
+            neither an int nor a callable, `micro_batch_size` not an int,
             `optimizer` is not a Keras optimizer, `sparse`, `agc`, `agc_eps`
             or `agc_exclude` has the wrong type, `noise_scale` is not a
             bool, `noise_decay` not a number or `accumulator_dtype` not a
             string.
-        ValueError: If `n < 1` or above what the counters hold, `reduction`, `mode`, `weigh_by`, `sparse` or
+        ValueError: If `n < 1` or above what the counters hold, `micro_batch_size < 1`, both `n`
+            and `micro_batch_size` are given, `reduction`, `mode`, `weigh_by`, `sparse` or
             `accumulator_dtype` is unknown, `agc` or `agc_eps` is not a
             finite number > 0, `agc_exclude` is given without `agc`,
             `noise_decay` is outside [0, 1), `noise_scale=True` or
@@ -152,8 +168,10 @@ def accumulate(
     """
     # Every argument but the optimizer is a setting, checked once, here.
     given = {name: value for name, value in locals().items() if name != "optimizer"}
-    if n is None:
-        raise TypeError("accumulate() requires `n`, the number of micro-batches per update.")
+    check_n_or_micro_batch_size(n, micro_batch_size)
+    if micro_batch_size is not None:
+        # Each train step is one cycle, of its own micro-batches.
+        given["n"] = 1
     settings = Settings(**given)
     _patches.install()
     if optimizer is not None:
@@ -191,8 +209,14 @@ class Decorator:
 
         return make
 
+    @property
+    def given(self) -> str:
+        """The decorator's defining argument as written: `n=4` or `micro_batch_size=8`."""
+        size = self.settings.micro_batch_size
+        return f"n={self.settings.n!r}" if size is None else f"micro_batch_size={size!r}"
+
     def __repr__(self) -> str:
-        return f"<gradaccum.accumulate(n={self.settings.n!r}) decorator>"
+        return f"<gradaccum.accumulate({self.given}) decorator>"
 
 
 def optimizer_get(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
@@ -205,11 +229,11 @@ def optimizer_get(wrapped: Callable[..., Any], instance: Any, args: tuple, kwarg
     """
     identifier = args[0] if args else kwargs.get("identifier")
     if isinstance(identifier, Decorator):
-        n = identifier.settings.n
+        given = identifier.given
         raise TypeError(
-            f"`optimizer` is accumulate(n={n!r}) without an optimizer: that is a decorator for an "
+            f"`optimizer` is accumulate({given}) without an optimizer: that is a decorator for an "
             "optimizer class. Pass the optimizer to wrap, "
-            f"accumulate(keras.optimizers.Adam(1e-3), n={n!r}), or decorate a class and create "
-            f"one: accumulate(n={n!r})(keras.optimizers.Adam)(1e-3)."
+            f"accumulate(keras.optimizers.Adam(1e-3), {given}), or decorate a class and create "
+            f"one: accumulate({given})(keras.optimizers.Adam)(1e-3)."
         )
     return wrapped(*args, **kwargs)

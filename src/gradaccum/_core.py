@@ -41,7 +41,7 @@ from typing import Any
 
 from keras import ops
 
-from gradaccum import _agc, _compensated
+from gradaccum import _agc, _compensated, _micro_batches
 from gradaccum._adaptive import NoiseScaleSchedule
 from gradaccum._atomic import unchanged_if_raised
 from gradaccum._backend import Backend
@@ -53,6 +53,13 @@ from gradaccum._state import State, variable_name
 from gradaccum._validation import check_gradient_shapes, check_step_arguments
 from gradaccum._view import AccumulationState
 from gradaccum._weights import Weights, checked
+
+_NOT_SPLIT = (
+    "This optimizer accumulates with micro_batch_size={size}: it splits Keras's own train step "
+    "inside `model.fit` into micro-batches, but `apply_gradients` was called outside such a step "
+    "(a model that overrides `train_step`, or a custom training loop), whose batch gradaccum cannot "
+    "split. Accumulate across steps there: accumulate(optimizer, n=k) with batches of B / k."
+)
 
 
 class Core:
@@ -67,11 +74,12 @@ class Core:
 
     Raises:
         ValueError: If the backend cannot take a setting (`sparse="slices"`
-            off TensorFlow).
+            off TensorFlow), or the optimizer's library `micro_batch_size`.
     """
 
     def __init__(self, family: Any, settings: Settings, backend: Backend, on_built: Callable[[State], None]):
         backend.check_settings(settings)
+        _micro_batches.check_family(settings, family)
         self.family = family
         self.settings = settings
         self.backend = backend
@@ -185,6 +193,8 @@ class Core:
         Raises:
             ValueError: See `AccumulatingOptimizer.apply`.
         """
+        if self.settings.micro_batch_size is not None and self.cycle.split is None:
+            raise ValueError(_NOT_SPLIT.format(size=self.settings.micro_batch_size))
         self.options = options
         weight, count = self.weights.take(weight)
         grads, variables = check_step_arguments(grads, variables, self.state.variables if self.built else None)

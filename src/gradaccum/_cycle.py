@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras import ops
@@ -48,6 +49,20 @@ class Cycle:
         self._host_chosen: tuple[int | None, int] | None = None
         # Whether a traced schedule's rule was warned about.
         self._warned_traced = False
+        # While a train step is split into micro-batches (`splitting`): its
+        # number of micro-batches, the cycle's length for that step.
+        self.split: Any = None
+
+    @contextlib.contextmanager
+    def splitting(self, count: Any) -> Iterator[None]:
+        """Makes the micro-steps run within the block one cycle of `count`
+        micro-batches: a Python int, or an integer tensor where the batch's
+        size is known only when the step runs (a TensorFlow graph)."""
+        self.split = count
+        try:
+            yield
+        finally:
+            self.split = None
 
     @property
     def value(self) -> int | Callable[[Any], Any]:
@@ -124,6 +139,8 @@ class Cycle:
                 the counters hold, where that is known.
         """
         dtype = self._backend.counter_dtype
+        if self.split is not None:
+            return ops.cast(self.split, dtype)
         adaptive = self._adaptive()
         if adaptive is not None:
             if self._chosen is None:
@@ -157,6 +174,8 @@ class Cycle:
         Raises:
             ValueError: If the schedule returns a value below 1.
         """
+        if self.split is not None:
+            return int(self.split)
         if self.schedule is None:
             return self._n
         adaptive = self._adaptive()
@@ -187,8 +206,9 @@ class Cycle:
             warnings.warn(TRACED_BELOW_ONE, RuntimeWarning, stacklevel=2)
 
     def hands_over(self) -> bool:
-        """Whether every micro-batch is a whole batch (`n` is the int 1)."""
-        return self._n == 1
+        """Whether every micro-batch is a whole batch (`n` is the int 1, and
+        no train step is split into more than one micro-batch)."""
+        return self._n == 1 and (self.split is None or (isinstance(self.split, int) and self.split == 1))
 
     def hand_over_guard(self, traced: bool) -> Any:
         """The context a step that hands gradients over runs in.

@@ -12,7 +12,9 @@ must see the wrapper, see `Patch`), and undone the same way (`Patch.remove`):
   `LossScaleOptimizer.load_own_variables`, so that one around an
   accumulating optimizer keeps a file loaded before its build, and its
   `apply_gradients` and `apply`, which then take the micro-batch's `weight=`
-  (`gradaccum._loss_scale`); `keras.optimizers.get`, which refuses
+  (`gradaccum._loss_scale`); the `train_step` of Keras's TensorFlow, JAX and
+  PyTorch trainers, which an optimizer with a `micro_batch_size` splits into
+  micro-batches (`gradaccum._micro_batches`); `keras.optimizers.get`, which refuses
   `accumulate(n=...)` given where an optimizer belongs with gradaccum's own
   error (`gradaccum._api`); Keras's `load_weights_only`, which refuses a
   file the model's accumulating optimizer cannot take before it writes any
@@ -96,6 +98,12 @@ ACCUMULATE = (
     Spec("tensorflow.python.checkpoint.checkpoint:Checkpoint", "read",
          "gradaccum._persistence.checkpoint:read_checked"),
     Spec("keras.src.backend.jax.trainer:JAXTrainer", "train_step", "gradaccum._data_parallel:train_step"),
+    # After the data-parallel hook, so that each micro-batch's step runs it.
+    Spec("keras.src.backend.jax.trainer:JAXTrainer", "train_step", "gradaccum._micro_batches:train_step"),
+    Spec("keras.src.backend.tensorflow.trainer:TensorFlowTrainer", "train_step",
+         "gradaccum._micro_batches:train_step"),
+    Spec("keras.src.backend.torch.trainer:TorchTrainer", "train_step", "gradaccum._micro_batches:train_step",
+         traced=True),
     Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving.saving_lib:", "serialize_keras_object", "gradaccum._persistence:serialize"),
     Spec("keras.src.saving:", "serialize_keras_object", "gradaccum._persistence:serialize"),
@@ -189,7 +197,7 @@ _lock = threading.Lock()
 def install(group: str = "accumulate") -> None:
     """Installs the patches of `ACCUMULATE` (or `"layers"`: `LAYERS`), once.
 
-    A patch of the TensorFlow or the JAX trainer is left out on other backends.
+    A patch of the TensorFlow, JAX or PyTorch trainer is left out on other backends.
     """
     with _lock:
         if group in _installed:
@@ -203,7 +211,7 @@ def install(group: str = "accumulate") -> None:
 def for_backend(specs: tuple[Spec, ...], backend: str) -> tuple[Spec, ...]:
     """`specs` without the patches of another backend's trainer or library
     (whose module would import that backend)."""
-    others = [b for b in ("tensorflow", "jax") if b != backend]
+    others = [b for b in ("tensorflow", "jax", "torch") if b != backend]
     return tuple(s for s in specs if not any(f".{b}." in f".{s.target}" for b in others))
 
 

@@ -96,18 +96,19 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
 
         Raises:
             TypeError: When set to anything but an int (bools included).
-            ValueError: When set to an int < 1 or above what the counters
-                hold (see `accumulate`), or if `n` was given as a schedule.
+            ValueError: When set to an int < 1 or above what the counters hold
+                (see `accumulate`), when `n` was given as a schedule, or with
+                `micro_batch_size` (`n` is then 1).
         """
         return self._self_core.cycle.value
 
     @n.setter
     def n(self, value: int) -> None:
+        _check_settable(self._self_core.settings, value)
         self._self_core.cycle.set(value)
         state = self._self_core.state
         if state is not None:
-            # Kept slices that XLA cannot grow while a step runs hold a
-            # cycle of the new length from now on.
+            # Kept slices XLA cannot grow while a step runs hold a cycle of the new length.
             state.reserve_kept()
 
     @property
@@ -331,6 +332,17 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
 # Pickles and messages name the class by its public module.
 AccumulatingOptimizer.__module__ = "gradaccum"
 _persistence.register(AccumulatingOptimizer)
+
+
+def _check_settable(settings: Settings, n: Any) -> None:
+    """Raises if `n` cannot be set: with `micro_batch_size`, each train step
+    of `fit` is one cycle of its own micro-batches."""
+    if settings.micro_batch_size is not None:
+        raise ValueError(
+            f"This optimizer splits each train step into micro-batches of micro_batch_size="
+            f"{settings.micro_batch_size}; its cycle is the step's micro-batches, so `n` cannot be set. "
+            f"Received: n={n!r}."
+        )
 
 
 def accumulating_in(optimizer: Any) -> AccumulatingOptimizer | None:

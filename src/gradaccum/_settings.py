@@ -37,6 +37,9 @@ class Settings:
         noise_scale: Whether the gradient noise scale is measured.
         noise_decay: The decay of the moving averages of its estimates.
         accumulator_dtype: `"float32"` or `"bfloat16"` (compensated).
+        micro_batch_size: None, or the samples of one micro-batch inside
+            `model.fit`'s train step (`gradaccum._micro_batches`); then `n`
+            is 1: each train step is one cycle of its own micro-batches.
 
     Raises:
         TypeError: If a setting has the wrong type.
@@ -55,6 +58,7 @@ class Settings:
     noise_scale: bool = False
     noise_decay: float = 0.9
     accumulator_dtype: str = "float32"
+    micro_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -77,6 +81,8 @@ class Settings:
                 "the noise scale from mean micro-gradients; it needs reduction=\"mean\". "
                 f"Received: reduction={self.reduction!r}."
             )
+        if self.micro_batch_size is not None and self.n != 1:
+            _validation.check_n_or_micro_batch_size(self.n, self.micro_batch_size)
         if self.accumulator_dtype != "float32" and self.sparse == "slices":
             raise ValueError(
                 f"accumulator_dtype={self.accumulator_dtype!r} sums dense gradients with compensation; "
@@ -149,6 +155,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "noise_scale": _validation.check_noise_scale,
     "noise_decay": _validation.check_noise_decay,
     "accumulator_dtype": _validation.check_accumulator_dtype,
+    "micro_batch_size": _validation.check_micro_batch_size,
 }
 
 
@@ -188,6 +195,11 @@ class SettingsView:
     def agc_eps(self) -> float:
         """The smallest weight norm an AGC cap is computed from."""
         return self._self_core.settings.agc_eps
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The samples of one micro-batch inside `model.fit`'s train step, or None."""
+        return self._self_core.settings.micro_batch_size
 
     @property
     def agc_exclude(self) -> Any:

@@ -312,3 +312,41 @@ def check_gradient_shapes(grads: list[Any], variables: list[Any], devices: int =
                 f"The gradient for variable {name!r} has {what} {tuple(got)}, but the variable's are "
                 f"{tuple(expected)}: each gradient must have its variable's shape."
             )
+
+
+def check_micro_batch_size(size: Any) -> int | None:
+    """Returns `micro_batch_size` (None, or an int >= 1), else raises."""
+    if size is None:
+        return None
+    if isinstance(size, str):
+        raise ValueError(
+            "`micro_batch_size` must be an integer >= 1 (the samples of one micro-batch inside "
+            f"`model.fit`'s train step); choosing it automatically is not available. Received: "
+            f"micro_batch_size={size!r}."
+        )
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(
+            "`micro_batch_size` must be an integer >= 1 (the samples of one micro-batch inside "
+            f"`model.fit`'s train step). Received: micro_batch_size={size!r} of type {type(size).__name__}."
+        )
+    if size < 1:
+        raise ValueError(
+            "`micro_batch_size` must be an integer >= 1 (the samples of one micro-batch inside "
+            f"`model.fit`'s train step). Received: micro_batch_size={size!r}."
+        )
+    return int(size)
+
+
+def check_n_or_micro_batch_size(n: Any, micro_batch_size: Any) -> None:
+    """Raises unless exactly one of `n` and `micro_batch_size` is given."""
+    if n is None and micro_batch_size is None:
+        raise TypeError(
+            "accumulate() requires `n`, the number of micro-batches per update, or "
+            "`micro_batch_size`, the samples of one micro-batch inside `model.fit`'s train step."
+        )
+    if n is not None and micro_batch_size is not None:
+        raise ValueError(
+            "Pass either `n` (micro-batches per update, across train steps) or `micro_batch_size` "
+            "(each train step's batch split into micro-batches of that size), not both. "
+            f"Received: n={n!r}, micro_batch_size={micro_batch_size!r}."
+        )

@@ -208,3 +208,16 @@ def test_resuming_from_a_keras_file_mid_cycle_reads_nothing(tmp_path):
                      callbacks=[FlushPartialCycle()])
     assert reads == []
     assert_states_close(full_state(reference, reference.optimizer), full_state(restored, restored.optimizer))
+
+
+def test_split_train_step_reads_nothing():
+    """`micro_batch_size`: the micro-batch count comes from the batch's
+    shape, and the cycle's position stays on the host."""
+    with counting_reads() as reads:
+        ref, acc, _, opt = fit_pair(
+            lambda: keras.optimizers.Adam(1e-2), n=1, micro_batch=B * N, cycles=CYCLES,
+            wrap=lambda o, n: accumulate(o, micro_batch_size=B - 1),
+        )
+    assert reads == []
+    assert int(opt.iterations) == CYCLES
+    assert_states_close(ref, acc)

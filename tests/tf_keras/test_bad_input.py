@@ -148,3 +148,9 @@ def test_accumulating_optimizer_is_the_tf_keras_optimizer():
         assert tf_keras.optimizers.get(opt) is opt
         opt.learning_rate = 0.25
         assert float(tf_keras.backend.get_value(inner.learning_rate)) == 0.25
+
+
+@pytest.mark.parametrize("make", MAKERS)
+def test_micro_batch_size_is_refused_since_tf_keras_fit_is_not_split(make):
+    with pytest.raises(ValueError, match=r"micro_batch_size=3.*tf_keras.*n=k"):
+        accumulate(make(), micro_batch_size=3)

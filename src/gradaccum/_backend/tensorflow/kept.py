@@ -23,9 +23,10 @@ of both (`Kept.read`), divided by the mean's divisor:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,35 @@ import tensorflow as tf
 from gradaccum._backend.tensorflow import distribution, growth, layouts, tensors
 from gradaccum._backend.tensorflow.buffers import Buffer
 from gradaccum._backend.tensorflow.growth import FIXED, GROWS
+
+_split = threading.local()
+
+
+@contextlib.contextmanager
+def split_into(count: int | None) -> Iterator[None]:
+    """Within the block, a train step split into at most `count`
+    micro-batches is traced (None: as many as its batch, of a size the
+    trace does not know, holds): one cycle, whose grown slices a buffer
+    must hold under XLA (`Kept.reserve`)."""
+    _split.count, _split.active = count, True
+    try:
+        yield
+    finally:
+        _split.count, _split.active = None, False
+
+
+def _split_length() -> int:
+    """A split train step's micro-batches are one cycle (of `n` = 1)."""
+    return getattr(_split, "count", None) or 1
+
+
+def _endless(n: Any) -> str | None:
+    """Why a cycle's grown slices have no bound known now (`n`: the variable
+    holding an int `n`, or None), or None."""
+    if n is None:
+        return "schedule"
+    # A split train step of a batch of unknown size is traced now.
+    return "batch" if getattr(_split, "active", False) and _split.count is None else None
 
 
 def _name(variable: Any) -> str:
@@ -112,7 +142,7 @@ class Kept:
         for part in parts:
             if part.kind == GROWS and part.count is not None:
                 self._step_rows = max(self._step_rows or 0, part.count)
-            if xla and part.kind not in self.parts and (part.count is None or (part.kind == GROWS and self._n is None)):
+            if xla and part.kind not in self.parts and (part.count is None or part.kind == GROWS and _endless(self._n)):
                 self._fall_back(part)
                 return
         if not self.parts:
@@ -131,7 +161,7 @@ class Kept:
                                       self._family.model_variable(self._variable), self.name)
 
     def _cycle_length(self) -> int:
-        return 1 if self._n is None else int(self._n.numpy())
+        return max(1 if self._n is None else int(self._n.numpy()), _split_length())
 
     def reserve(self) -> None:
         """Makes a grown part hold a whole cycle (eagerly), for the current
@@ -143,7 +173,7 @@ class Kept:
     def _fall_back(self, part: growth.Part) -> None:
         self.rows_only = True
         self._pending_into_rows()
-        self._warn("rows", layouts.xla_warning(self.name, part.count is None))
+        self._warn("rows", layouts.xla_warning(self.name, "count" if part.count is None else _endless(self._n)))
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -109,9 +109,19 @@ def row_sums_warning(name: str) -> str:
     )
 
 
-def xla_warning(name: str, unknown_count: bool) -> str:
-    why = ("the number of its slices per micro-step is not known while the step is traced"
-           if unknown_count else "`n` is a schedule, so a cycle's slices have no known bound")
+_XLA_REASONS = {
+    "count": "the number of its slices per micro-step is not known while the step is traced",
+    "schedule": "`n` is a schedule, so a cycle's slices have no known bound",
+    "batch": "the train step is split into micro-batches (`micro_batch_size`) of a batch whose size "
+             "is not known while the step is traced (a ragged last batch), so a cycle's slices have "
+             "no known bound",
+}
+
+
+def xla_warning(name: str, reason: str) -> str:
+    """Why variable `name`'s slices are added into rows under XLA: `reason`
+    is `"count"`, `"schedule"` or `"batch"`."""
+    why = _XLA_REASONS[reason]
     return (
         f"gradaccum: the tf.IndexedSlices of variable {name!r} cannot be kept under XLA "
         f"(`jit_compile=True`), which cannot grow a variable: {why}. They are added into its rows "

@@ -1,0 +1,88 @@
+"""The loop over a train step's micro-batches on TensorFlow.
+
+In `model.fit`'s traced step the batch's size is usually unknown (None), so
+the number of micro-batches is a tensor: a `tf.while_loop` runs Keras's
+original train step once per full micro-batch of `size` samples (a slice
+of static size, as XLA needs), and a `tf.cond` once more for a ragged last
+micro-batch. Every variable the step writes exists before the loop: the
+optimizer and its accumulators are built by `fit` before it traces the
+step, and kept `tf.IndexedSlices` are created when the step is traced (in
+`tf.init_scope`). Under XLA their buffers hold the cycle the trace's batch
+size allows (`kept.split_into`); where the trace does not know it, a
+variable's slices are added into rows, with a warning that names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+from keras import tree
+
+from gradaccum._backend.tensorflow import kept
+
+
+def _slice(data: Any, start: Any, size: Any) -> Any:
+    def cut(t: Any) -> Any:
+        if t is None:
+            return None
+        t = tf.convert_to_tensor(t)
+        begin = tf.concat([tf.reshape(start, [1]), tf.zeros([tf.rank(t) - 1], tf.int32)], 0)
+        extent = tf.concat([tf.reshape(size, [1]), tf.fill([tf.rank(t) - 1], -1)], 0)
+        cut = tf.slice(t, begin, extent)
+        if isinstance(size, int):
+            cut = tf.ensure_shape(cut, [size] + t.shape.as_list()[1:])
+        return cut
+
+    return tree.map_structure(cut, data)
+
+
+def split(
+    step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[[Any], Any], initial_logs: Any
+) -> Any:
+    """Keras's TensorFlow train step `step(data)`, once per micro-batch.
+
+    Args:
+        step: The original train step.
+        data: The batch.
+        size: Samples per micro-batch.
+        splitting: The context of one cycle of a given count of micro-batches.
+        initial_logs: Tensors of the structure the step returns (the loop's
+            starting value; a batch always has at least one micro-batch).
+
+    Returns:
+        The logs of the last micro-batch.
+
+    Raises:
+        ValueError: Under a `tf.distribute` strategy of several replicas,
+            whose variable writes (merge calls) cannot run in a loop.
+    """
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        raise ValueError(
+            f"micro_batch_size={size} splits the train step in a `tf.while_loop`, and under a "
+            f"tf.distribute strategy of {replicas} replicas the optimizer's writes (merge calls) "
+            "cannot run in a loop. Accumulate across steps there: accumulate(optimizer, n=k) with "
+            "batches of B / k."
+        )
+    leaf = next(tf.convert_to_tensor(t) for t in tree.flatten(data) if t is not None)
+    total = tf.shape(leaf, out_type=tf.int32)[0]
+    full = total // size
+    rest = total - full * size
+    count = full + tf.cast(rest > 0, tf.int32)
+    known = leaf.shape[0]
+    with splitting(count), kept.split_into(None if known is None else -(-known // size)):
+
+        def body(i: Any, logs: Any) -> tuple[Any, Any]:
+            logs = step(_slice(data, i * size, size))
+            return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
+
+        # One micro-batch after the other: each reads the variables the last wrote.
+        _, logs = tf.while_loop(lambda i, _: i < full, body, (tf.constant(0), initial_logs), parallel_iterations=1)
+
+        def last() -> Any:
+            return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, rest)))
+
+        logs = tf.cond(rest > 0, last, lambda: logs)
+    return logs

@@ -1,0 +1,72 @@
+"""`accumulate(opt, micro_batch_size=m)` on TensorFlow: `fit(batch_size=B)`
+equals plain `fit(batch_size=B)` in graph mode and under XLA, also for
+`Embedding`s under Adam, whose `tf.IndexedSlices` gradients the large batch
+takes slice by slice (token lookups side by side, position lookups summed:
+the default `sparse="auto"` keeps them so within the step's micro-batches)."""
+
+import keras
+import pytest
+
+from gradaccum import accumulate
+from tests.helpers import MODES, assert_states_close, fit, full_state, make_data, make_mlp
+from tests.helpers.distribute import mirrored
+from tests.test_sparse_exact import OPTIMIZERS, _data, _model
+
+B, SIZE = 8, 3
+
+
+def _fit_pair(kind, samples, mode="masked", jit=False):
+    x, y = _data(kind, samples=samples)
+    reference = fit(_model(kind), OPTIMIZERS["adam"](), x, y, B, jit_compile=jit)
+    model = _model(kind)
+    opt = accumulate(OPTIMIZERS["adam"](), micro_batch_size=SIZE, mode=mode)
+    fit(model, opt, x, y, B, jit_compile=jit)
+    return full_state(reference, reference.optimizer), full_state(model, opt), opt
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["token", "both"])
+def test_embeddings_under_adam_equal_plain_fit(kind, mode):
+    # 3 batches and a ragged last one of 5: micro-batches of 3, 3, 2 (and 3, 2).
+    reference, subject, opt = _fit_pair(kind, 3 * B + 5, mode)
+    assert int(opt.iterations) == 4
+    assert_states_close(reference, subject)
+
+
+@pytest.mark.parametrize("kind", ["token", "both"])
+def test_embeddings_under_adam_and_xla_equal_plain_fit(kind):
+    # Batches of one size: the traced step knows it, and so how many slices
+    # a cycle of its micro-batches holds.
+    reference, subject, opt = _fit_pair(kind, 3 * B, jit=True)
+    assert int(opt.iterations) == 3
+    assert_states_close(reference, subject)
+
+
+def test_xla_with_a_ragged_last_batch_says_which_variable_is_not_kept():
+    """The traced step does not know the batch's size, so XLA cannot hold a
+    cycle's token slices: they are added into rows, and a warning names the
+    variable."""
+    with pytest.warns(RuntimeWarning, match=r"'words/embeddings'.*micro_batch_size"):
+        reference, subject, opt = _fit_pair("token", 3 * B + 5, jit=True)
+    assert int(opt.iterations) == 4
+    with pytest.raises(AssertionError):
+        assert_states_close(reference, subject)
+
+
+@pytest.mark.parametrize("jit", (False, True), ids=("graph", "xla"))
+def test_dense_model_equals_plain_fit(jit):
+    x, y = make_data(3 * B + 5)
+    reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(reference, ref_opt, x, y, B, jit_compile=jit)
+    model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=SIZE)
+    fit(model, opt, x, y, B, jit_compile=jit)
+    assert int(opt.iterations) == 4
+    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
+
+
+def test_several_replicas_are_told_to_use_n():
+    x, y = make_data(2 * B)
+    with mirrored().scope():
+        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=SIZE)
+    with pytest.raises(ValueError, match=r"micro_batch_size=3.*2 replicas.*n=k"):
+        fit(model, opt, x, y, B)
