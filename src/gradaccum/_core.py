@@ -73,8 +73,7 @@ class Core:
             it up: checkpoints, values loaded before it existed).
 
     Raises:
-        ValueError: If the backend cannot take a setting (`sparse="slices"`
-            off TensorFlow), or the optimizer's library `micro_batch_size`.
+        ValueError: If the backend or the optimizer's library cannot take a setting.
     """
 
     def __init__(self, family: Any, settings: Settings, backend: Backend, on_built: Callable[[State], None]):
@@ -92,15 +91,11 @@ class Core:
         self.warned_untouched = False
         # Whether any micro-batch was weighted (decided while tracing).
         self.weighted = False
-        # Extra `apply_gradients` arguments of the latest micro-step, for the
-        # update its cycle ends with (also when `flush()` ends it).
+        # The latest micro-step's extra `apply_gradients` arguments, for its cycle's update.
         self.options: Mapping[str, Any] = {}
-        # What waits for the state to exist (`when_built`).
-        self._after_build: list[Callable[[], None]] = []
-        # Objects whose own partial cycle `flush()` ends too (`follow`), by id.
-        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._after_build: list[Callable[[], None]] = []  # see `when_built`
+        self._followers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # see `follow`
 
-    # ------------------------------------------------------------------
     # Reading.
 
     @property
@@ -135,7 +130,6 @@ class Core:
         """The state's variables the proxy lists in `variables`."""
         return [] if self.state is None else self.backend.listed(self.state)
 
-    # ------------------------------------------------------------------
     # Building.
 
     def build(self, variables: Sequence[Any]) -> None:
@@ -182,7 +176,6 @@ class Core:
         """Makes `flush()` call `follower.flush()` too, while it lives."""
         self._followers[id(follower)] = follower
 
-    # ------------------------------------------------------------------
     # A micro-step.
 
     def step(
@@ -351,7 +344,6 @@ class Core:
         with unchanged_if_raised(self.state, self.backend, ends):
             self._finish_if(ends, steps, None)
 
-    # ------------------------------------------------------------------
     # The end of a cycle.
 
     def _finish_if(self, ends: Any, steps: Any, given: set[int] | None) -> None:

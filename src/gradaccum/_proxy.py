@@ -96,9 +96,8 @@ class AccumulatingOptimizer(SettingsView, _persistence.Persistent, wrapt.ObjectP
 
         Raises:
             TypeError: When set to anything but an int (bools included).
-            ValueError: When set to an int < 1 or above what the counters hold
-                (see `accumulate`), when `n` was given as a schedule, or with
-                `micro_batch_size` (`n` is then 1).
+            ValueError: When set to an int < 1 or above the counters' bound, when
+                `n` was a schedule, or with `micro_batch_size` (`n` is then 1).
         """
         return self._self_core.cycle.value
 
