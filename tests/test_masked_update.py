@@ -230,10 +230,6 @@ def test_eager_masked_update_that_raises_leaves_the_sums_undivided():
         np.testing.assert_array_equal(masked, skipped)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the core adds the micro-gradient before the update runs; the step is made all-or-nothing in `_core`",
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_eager_update_that_raises_leaves_the_state_and_a_retry_equals_the_large_batch(mode):
     before, after, (ref_model, ref_opt), (model, opt), last = _raise_on_apply(mode)

@@ -87,8 +87,7 @@ class Core:
         self.state: State | None = None
         self._on_built = on_built
         self.weights = Weights(backend, settings.weigh_by)
-        # Whether some variables' lack of gradients was warned about.
-        self.warned_untouched = False
+        self.warned_untouched = False  # whether variables without gradients were warned about
         # Whether any micro-batch was weighted (decided while tracing).
         self.weighted = False
         # The latest micro-step's extra `apply_gradients` arguments, for its cycle's update.
@@ -225,8 +224,9 @@ class Core:
             checks = self.weights.checks()
             first, steps, ends = self._position(checks)
             with checked(self.backend, checks):
-                refused = self.weights.refused_unless(state, first, steps, ends, weight, grads, indices)
-                first, steps, ends, weight, grads = refused
+                first, steps, ends, weight, grads = self.weights.refused_unless(
+                    state, first, steps, ends, weight, grads, indices)
+                ends = self.backend.ordered(ends)  # a merge call's branch waits for the checks too
                 state.check_unmet(ends)
                 with unchanged_if_raised(state, self.backend, ends):
                     given = self._add(grads, indices, weight, first)

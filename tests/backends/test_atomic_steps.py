@@ -1,7 +1,7 @@
 """A step that raises changes nothing, on every backend.
 
 The wrapped optimizer's update fails on the step that ends a cycle (one
-call of its `_backend_update_step` raises, as a plain optimizer's update
+call of its `update_step` raises, as a plain optimizer's update
 would): the weights, the optimizer's variables, the accumulators and the
 counters are as they were before that call, as a plain optimizer leaves
 them; the same micro-batch retried then ends exactly as the large batch
@@ -38,7 +38,9 @@ def fail_once(optimizer) -> None:
     """Makes the next call of the (wrapped) optimizer's update raise
     `Injected`; later calls run as before."""
     inner = getattr(optimizer, "__wrapped__", optimizer)
-    original = inner._backend_update_step
+    # `update_step`, which every way of running the update calls once per
+    # variable; the first call raises before anything is written.
+    original = inner.update_step
     calls = []
 
     def update_step(*args, **kwargs):
@@ -47,7 +49,7 @@ def fail_once(optimizer) -> None:
             raise Injected("the wrapped optimizer's update failed")
         return original(*args, **kwargs)
 
-    inner._backend_update_step = update_step
+    inner.update_step = update_step
 
 
 def _reference(batches, n):

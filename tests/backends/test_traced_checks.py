@@ -234,12 +234,15 @@ def test_a_schedule_below_one_raises_or_is_taken_as_one_warned(execution):
 
 
 
+@pytest.mark.parametrize("mode", ["masked", "skip"] if BACKEND == "tensorflow" else ["masked"])
 @pytest.mark.parametrize("jit_compile", [False, True] if BACKEND != "torch" else [False])
-def test_a_schedule_below_one_in_fit(jit_compile):
+def test_a_schedule_below_one_in_fit(jit_compile, mode):
     """Without XLA it raises (at run time in TensorFlow's graph, eagerly on
-    JAX and PyTorch); under XLA it is taken as 1, warned."""
+    JAX and PyTorch), before the update: in either mode, also where the
+    update's branch is decided in a merge call; under XLA it is taken as 1,
+    warned."""
     model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(1e-2), _falls_below_one)
+    opt = accumulate(keras.optimizers.Adam(1e-2), _falls_below_one, mode=mode)
     model.compile(optimizer=opt, loss="mse", jit_compile=jit_compile)
     x, y = make_data(12)
     raises = not jit_compile

@@ -157,9 +157,8 @@ class Backend(Protocol):
 
     # The dtype of the micro-step counter and of `n`.
     counter_dtype: str
-    # Whether the cycle's position is kept on the host (Python integers), so
-    # that the conditions the hooks receive are Python booleans, and the
-    # counter variable is written (`set_counter`), never read, per micro-step.
+    # Whether the cycle's position is kept on the host (Python integers: the hooks
+    # get Python booleans; the counter is written, never read, per micro-step).
     host_counters: bool
 
     def create_state(
@@ -221,6 +220,9 @@ class Backend(Protocol):
         the loss, a shape the trace left unknown) stops the step before it
         writes anything. Nothing where ops run in program order (eagerly,
         JAX, PyTorch)."""
+
+    def ordered(self, value: Any) -> Any:
+        """`value`, made to wait for what the block waits for (`after`, `guarded`), also across a merge call."""
 
     def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
         """`acc = maximum(acc, value)`, or `value` on a cycle's first
@@ -303,8 +305,7 @@ class Backend(Protocol):
     def is_slices(self, grad: Any) -> bool:
         """Whether `grad` is a sparse gradient."""
 
-    # Gradients and losses as the layers above the core see them
-    # (`gradients.KerasOpsGradients` on JAX and PyTorch).
+    # Gradients and losses as the layers above the core see them (`gradients`).
 
     def densify(self, grad: Any) -> Any:
         """`grad` as a dense tensor (a sparse gradient's rows summed)."""

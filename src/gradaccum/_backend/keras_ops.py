@@ -113,7 +113,6 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
         self._axis: device_local.DataAxis | None = None
         self._global_only: str | None = None
 
-    # ------------------------------------------------------------------
     # State.
 
     def create_state(
@@ -217,7 +216,6 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
                 "first (`model.fit` does)."
             )
 
-    # ------------------------------------------------------------------
     # Reading.
 
     def known(self, value: Any) -> bool:
@@ -243,7 +241,6 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
         size = self.local.get(id(variable))
         variable.assign(value if size is None else device_local.stacked(value, size))
 
-    # ------------------------------------------------------------------
     # A micro-step.
 
     def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
@@ -271,6 +268,9 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
 
     def after(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any) -> Any:
         return contextlib.nullcontext()  # JAX orders writes by their inputs; PyTorch runs in order
+
+    def ordered(self, value: Any) -> Any:
+        return value
 
     def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
         value = ops.cast(value, accumulator.dtype)
@@ -369,7 +369,6 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
     def guarded(self, condition: Callable[[], Any], message: str) -> Any:
         return contextlib.nullcontext()  # no cheap run-time assertion (see `gradaccum._cycle`)
 
-    # ------------------------------------------------------------------
     # Distribution: one replica.
 
     def replicas(self) -> int:
@@ -393,7 +392,6 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
     def any_nonzero(self, variables: Sequence[Any]) -> Any:
         return ops.any(ops.stack([ops.any(ops.not_equal(v, 0)) for v in variables]))
 
-    # ------------------------------------------------------------------
     # Sparse gradients: dense on these backends.
 
     def is_slices(self, grad: Any) -> bool:

@@ -124,6 +124,9 @@ class TensorFlowBackend:
               ) -> contextlib.AbstractContextManager[None]:
         return tensors.after(grads, variables, weight)
 
+    def ordered(self, value: Any) -> Any:
+        return value if tf.executing_eagerly() else tf.identity(value)
+
     def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
         tensors.max_into(accumulator, value, first)
 
