@@ -234,7 +234,6 @@ def test_a_schedule_below_one_raises_or_is_taken_as_one_warned(execution):
 
 
 
-@pytest.mark.parametrize("mode", ["masked", "skip"] if BACKEND == "tensorflow" else ["masked"])
 @pytest.mark.parametrize("jit_compile", [False, True] if BACKEND != "torch" else [False])
 def test_a_schedule_below_one_in_fit(jit_compile, mode):
     """Without XLA it raises (at run time in TensorFlow's graph, eagerly on
