@@ -1,7 +1,7 @@
 """A step that raises changes nothing, on every backend.
 
 The wrapped optimizer's update fails on the step that ends a cycle (one
-call of its `update_step` raises, as a plain optimizer's update
+call of its update (`_backend_update_step` or `update_step`) raises, as a plain optimizer's update
 would): the weights, the optimizer's variables, the accumulators and the
 counters are as they were before that call, as a plain optimizer leaves
 them; the same micro-batch retried then ends exactly as the large batch
@@ -38,18 +38,23 @@ def fail_once(optimizer) -> None:
     """Makes the next call of the (wrapped) optimizer's update raise
     `Injected`; later calls run as before."""
     inner = getattr(optimizer, "__wrapped__", optimizer)
-    # `update_step`, which every way of running the update calls once per
-    # variable; the first call raises before anything is written.
-    original = inner.update_step
+    # The first call of either method raises, before anything is written:
+    # `_backend_update_step` runs all variables at once (PyTorch's fused
+    # update calls nothing else), `update_step` one variable (TensorFlow's
+    # masked update calls it directly).
     calls = []
 
-    def update_step(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise Injected("the wrapped optimizer's update failed")
-        return original(*args, **kwargs)
+    def failing(original):
+        def call(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise Injected("the wrapped optimizer's update failed")
+            return original(*args, **kwargs)
 
-    inner.update_step = update_step
+        return call
+
+    for name in ("_backend_update_step", "update_step"):
+        setattr(inner, name, failing(getattr(inner, name)))
 
 
 def _reference(batches, n):
