@@ -21,6 +21,9 @@ from gradaccum import accumulate
 from tests.backends.test_distribution import two_devices
 from tests.helpers import BACKEND, MODES, assert_states_close, fit, full_state, gradients, make_data, make_mlp
 from tests.helpers.hlo import all_reduces
+from tests.helpers.models import TOKENS_T as T
+from tests.helpers.models import TOKENS_VOCAB as VOCAB
+from tests.helpers.models import make_tokens_model as _tokens_model
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution's data parallelism runs on JAX")
 
@@ -118,15 +121,6 @@ def _fit_pair(make_model, make_optimizer, wrap, x, y, loss="mse", sample_weight=
     return reference, subject, optimizer
 
 
-T, VOCAB = 6, 11
-
-
-def _tokens_model():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((T,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, 3, mask_zero=True, name="emb")(inputs)
-    outputs = keras.layers.Dense(4, activation="softmax", name="out")(h)
-    return keras.Model(inputs, outputs, name="tokens")
 
 
 @pytest.mark.parametrize("weighted", (False, True), ids=("masked_tokens", "sample_weights"))

@@ -22,6 +22,9 @@ from tests.helpers import (
     make_mlp,
     max_difference,
 )
+from tests.helpers.models import TOKENS_T as T
+from tests.helpers.models import TOKENS_VOCAB as VOCAB
+from tests.helpers.models import make_tokens_model as _tokens_model
 
 B = 8
 
@@ -69,15 +72,6 @@ def test_split_is_the_large_batch_not_the_micro_batch():
     assert max_difference(reference, full_state(small, small_opt), "model/") > 1e-3
 
 
-T, VOCAB = 6, 11
-
-
-def _tokens_model():
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((T,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, 3, mask_zero=True, name="emb")(inputs)
-    outputs = keras.layers.Dense(4, activation="softmax", name="out")(h)
-    return keras.Model(inputs, outputs, name="tokens")
 
 
 @pytest.mark.parametrize("weighted", (False, True), ids=("masked_tokens", "sample_weights"))

@@ -123,3 +123,16 @@ def dtype_policy(name: str, lib: Any = None) -> Iterator[None]:
         yield
     finally:
         set_(previous)
+
+
+# A masked token model: sequences of TOKENS_T ids below TOKENS_VOCAB, 0 masked.
+TOKENS_T, TOKENS_VOCAB = 6, 11
+
+
+def make_tokens_model() -> Any:
+    """A seeded Embedding (mask_zero) and softmax Dense over each token."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((TOKENS_T,), dtype="int32")
+    h = keras.layers.Embedding(TOKENS_VOCAB, 3, mask_zero=True, name="emb")(inputs)
+    outputs = keras.layers.Dense(4, activation="softmax", name="out")(h)
+    return keras.Model(inputs, outputs, name="tokens")
