@@ -165,6 +165,19 @@ def test_only_the_tensorflow_modules_import_tensorflow():
         assert not found, (name, found)
 
 
+def test_only_the_backends_know_where_the_cycle_position_is_kept():
+    """The core asks the cycle's position (`gradaccum._backend.position`)
+    one way on every backend: whether it is kept on the host is the
+    backend's to know."""
+    for name, path in _modules().items():
+        if name.startswith("gradaccum._backend"):
+            continue
+        nodes = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Name, ast.Attribute))]
+        names = {n.id if isinstance(n, ast.Name) else n.attr for n in nodes}
+        host = sorted(n for n in names if n.startswith("host_"))
+        assert not host, (name, host)
+
+
 def test_modules_and_classes_stay_small():
     for name, path in _modules().items():
         tree = ast.parse(path.read_text())

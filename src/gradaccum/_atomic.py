@@ -52,7 +52,7 @@ def _restored_on_failure(state: State, backend: Backend) -> Iterator[None]:
     variables += state.noise.variables() if state.noise is not None else []
     values = [backend.snapshot(v) for v in variables]
     kept = {i: k.saved() for i, k in state.kept.items() if not getattr(k, "rows_only", False)}
-    host = (set(state.participants), set(state.host_touched), state.host_micro_step, state.host_applied)
+    host = (set(state.participants), state.position.saved())
     try:
         yield
     except BaseException:
@@ -60,5 +60,6 @@ def _restored_on_failure(state: State, backend: Backend) -> Iterator[None]:
             backend.assign(variable, value)
         for i, saved in kept.items():
             state.kept[i].load(saved)
-        state.participants, state.host_touched, state.host_micro_step, state.host_applied = host
+        state.participants = host[0]
+        state.position.restore(host[1])
         raise

@@ -120,10 +120,8 @@ class Core:
         if self.state is None:
             return None
         view = self.state.view()
-        if self.backend.host_counters:
-            return view._replace(n=self.cycle.on_host(self.state.host_applied))
-        n = self.current_n()
-        return view._replace(n=int(ops.convert_to_numpy(n))) if self.backend.known(n) else view
+        n = self.state.position.n(self.cycle, self.family.iterations)
+        return view if n is None else view._replace(n=n)
 
     def listed(self) -> list[Any]:
         """The state's variables the proxy lists in `variables`."""
@@ -214,15 +212,14 @@ class Core:
                     self.family.apply(grads, variables, options)
                 else:
                     deliver(self, grads, variables, options)
-            if state.host_applied is not None:
-                state.host_applied += 1
+            state.position.handed_over()
             return
         weight = count if weight is None else weight
         # In a graph, everything from reading the position on waits for the
         # gradients: a branch on a predicate that did not would start early.
         with self.backend.after(grads, variables, weight):
             checks = self.weights.checks()
-            first, steps, ends = self._position(checks)
+            first, steps, ends = state.position.next(self.cycle, self.family.iterations, checks)
             with checked(self.backend, checks):
                 first, steps, ends, weight, grads = self.weights.refused_unless(
                     state, first, steps, ends, weight, grads, indices)
@@ -232,32 +229,16 @@ class Core:
                     given = self._add(grads, indices, weight, first)
                     self._finish_if(ends, steps, given)
 
-    def _position(self, checks: list[tuple[Callable[[], Any], str]]) -> tuple[Any, Any, Any]:
-        """`(first, steps, ends)`: whether this micro-step is its cycle's
-        first, the cycle's micro-steps with it, whether it ends the cycle.
-        Python values where the backend keeps the position on the host,
-        backend tensors elsewhere. A traced `n`'s run-time checks are
-        appended to `checks`."""
-        state, backend = self.state, self.backend
-        if backend.host_counters:
-            steps = state.host_micro_step + 1
-            return steps == 1, steps, steps >= self.cycle.on_host(state.host_applied)
-        micro_step = backend.read(state.micro_step)
-        steps = micro_step + 1
-        return ops.equal(micro_step, 0), steps, ops.greater_equal(steps, self.current_n(checks))
-
     def resync(self, counter: bool = True) -> None:
-        """Reads the host's copy of the cycle's position (if `counter`) and,
-        for a schedule, of the applied-update count from the variables, where
-        the backend keeps them on the host: after a build or a restore, not
-        per micro-step."""
-        state = self.state
-        if state is None or not self.backend.host_counters:
+        """Takes the cycle's position from its variables (if `counter`)
+        and, for a schedule, the applied-update count, where the backend
+        keeps them on the host: after a build or a restore, not per
+        micro-step."""
+        if self.state is None:
             return
-        if counter:
-            state.host_micro_step = int(self.backend.saved(state.micro_step, False))
-        if self.cycle.schedule is not None:
-            state.host_applied = int(ops.convert_to_numpy(self.family.iterations))
+        schedule = self.cycle.schedule is not None
+        self.state.position.resync(counter, self.family.iterations if schedule else None)
+        if schedule:
             self.cycle.reread()
 
     def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> set[int]:
@@ -316,7 +297,7 @@ class Core:
             missing += [c for i, c in enumerate(state.compensations or []) if i not in given]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
-        state.mark_touched(given, first, self.weights.accepted)
+        state.position.mark(given, first, self.weights.accepted)
         return given
 
     def flush(self) -> None:
@@ -331,15 +312,10 @@ class Core:
         self.backend.on_each_replica(self.family, self._flush_here)
 
     def _flush_here(self) -> None:
-        if self.backend.host_counters:
-            steps, ends = self.state.host_micro_step, True
-            if steps == 0:
-                return  # an empty cycle
-        else:
-            steps = self.backend.read(self.state.micro_step)
-            if self.backend.known(steps) and int(ops.convert_to_numpy(steps)) == 0:
-                return  # an empty cycle
-            ends = ops.greater(steps, 0)
+        pending = self.state.position.pending()
+        if pending is None:
+            return  # an empty cycle
+        steps, ends = pending
         self.state.check_unmet(ends)
         with unchanged_if_raised(self.state, self.backend, ends):
             self._finish_if(ends, steps, None)
@@ -355,10 +331,4 @@ class Core:
         # update, which could fail after its gradients were added.
         if not backend.known(ends) or bool(ends):
             end_cycle(self, ends, steps, given)
-        if backend.host_counters:
-            state.host_micro_step = 0 if ends else steps
-            if ends and state.host_applied is not None:
-                state.host_applied += 1
-            backend.set_counter(state.micro_step, state.host_micro_step)
-        else:
-            backend.assign(state.micro_step, ops.where(ends, ops.zeros_like(steps), steps))
+        state.position.advance(ends, steps)

@@ -34,14 +34,15 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
     """
     backend, state = core.backend, core.state
     included = state.taking_part()
-    if backend.host_counters:
-        included = [i for i in included if i in state.host_touched]
+    known = state.position.took_part()
+    if known is not None:
+        included = [i for i in included if i in known]
     state.check_left_out(ends)
     conditions = {}
     maybe = [k for k, i in enumerate(included) if given is None or i not in given]
-    if maybe and not backend.host_counters:
+    if maybe and known is None:
         if state.touched is not None and backend.masks_each(core.family):
-            conditions = {k: state.touched_in_cycle(included[k]) for k in maybe}
+            conditions = {k: state.position.took_part_in_cycle(included[k]) for k in maybe}
         elif state.touched is not None and backend.known(ends):  # eager: read which took part
             flags = backend.saved(state.touched, False)
             included = [i for k, i in enumerate(included) if k not in maybe or flags[i] > 0]

@@ -12,7 +12,7 @@ creates its state lazily (`OptimizerFamily.grows`). How it persists is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,16 +60,12 @@ class State:
         self.micro_step = created.micro_step
         self.weight_total = created.weight_total
         self.n = created.n
-        # Which variables have received a gradient in the current cycle: a
-        # variable (`Backend.create_state`), or on the host where the
-        # backend keeps the cycle's position there (see `mark_touched`).
+        # Which variables have received a gradient in the current cycle, where
+        # the backend keeps a variable of it (`Backend.create_state`).
         self.touched = created.touched
-        self.host_touched: set[int] = set()
-        # Where the backend keeps the cycle's position on the host
-        # (`Backend.host_counters`): the micro-step counter's value, and the
-        # wrapped optimizer's applied updates once a schedule needs them.
-        self.host_micro_step = 0
-        self.host_applied: int | None = None
+        # The cycle's position and which variables took part in it, on the
+        # device or on the host (`Backend.position`).
+        self.position = backend.position(self.micro_step, self.touched)
         # Each variable's kept slices (`Backend.new_kept`), by position,
         # made when it first receives `tf.IndexedSlices` to keep (or a file
         # gives it some).
@@ -156,25 +152,6 @@ class State:
     def taking_part(self) -> list[int]:
         """Positions of the variables that take part, among those held."""
         return sorted(i for i in self.participants if i < len(self.accumulators))
-
-    def mark_touched(self, given: set[int], first: Any, accepted: Any = None) -> None:
-        """Records which variables received a gradient in this micro-step:
-        they, and those of the cycle's earlier micro-steps, take part in its
-        update; a variable without any gradient in the cycle does not, as
-        in the large batch. None where a traced `accepted` is false."""
-        backend = self._backend
-        if backend.host_counters:
-            self.host_touched = set(given) if first else self.host_touched | given
-        elif self.touched is not None:
-            mask = ops.convert_to_tensor([int(i in given) for i in range(len(self.accumulators))], dtype="int32")
-            mask = mask if accepted is None else ops.where(accepted, mask, ops.zeros_like(mask))
-            before = backend.read(self.touched)
-            backend.assign(self.touched, ops.where(first, mask, ops.maximum(before, mask)))
-
-    def touched_in_cycle(self, index: int) -> Callable[[], Any]:
-        """A function returning whether variable `index` received a gradient
-        in the current cycle (a scalar boolean; read where it is called)."""
-        return lambda: ops.greater(self._backend.read(self.touched)[index], 0)
 
     def unmet(self) -> list[int]:
         """Taking part by a restore, but not met by this optimizer yet."""

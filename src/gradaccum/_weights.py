@@ -93,7 +93,7 @@ class Weights:
 
     def _check_value(self, weight: Any) -> None:
         backend = self._backend
-        if backend.host_counters:
+        if not backend.reads_back:
             # Checked on the device, without reading it (PyTorch).
             backend.assert_that(lambda: _valid(weight), WEIGHT_MESSAGE)
         elif backend.known(weight):
@@ -120,7 +120,7 @@ class Weights:
         last, does not advance the count, and adds nothing: zero-weighted
         zeros, or -inf into a maximum, instead of gradients a NaN weight
         would turn into NaNs. Every write then keeps the value it reads
-        (`State.mark_touched` takes `accepted` too).
+        (`Position.mark` takes `accepted` too).
 
         Args:
             state: The accumulation state (which accumulators keep a maximum).

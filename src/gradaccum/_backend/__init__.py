@@ -105,9 +105,8 @@ class StateVariables(NamedTuple):
         weight_total: The float32 sum of the cycle's micro-batch weights, 0.
         n: The cycle's length for an int `n` (so that setting it needs no
             new trace), or None for a schedule.
-        touched: Where the backend keeps it as a variable, an integer vector:
-            whether each variable has received a gradient in the current
-            cycle (1 at first, as if every variable had); else None.
+        touched: An integer vector, whether each variable received a gradient
+            in the current cycle (1 at first), where kept in a variable; else None.
     """
 
     accumulators: list[Any]
@@ -157,9 +156,8 @@ class Backend(Protocol):
 
     # The dtype of the micro-step counter and of `n`.
     counter_dtype: str
-    # Whether the cycle's position is kept on the host (Python integers: the hooks
-    # get Python booleans; the counter is written, never read, per micro-step).
-    host_counters: bool
+    # Whether a micro-step may read a value into Python (not on PyTorch: it waits for the device).
+    reads_back: bool
 
     def create_state(
         self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
@@ -172,6 +170,9 @@ class Backend(Protocol):
         compensations): of `dtype` (`"float32"` or `"bfloat16"`), except
         float64 for float64 variables and float32 for those that keep a
         maximum."""
+
+    def position(self, counter: Any, flags: Any) -> Any:
+        """The cycle's `position.Position`, in `counter` and `flags` (`StateVariables`) or on the host."""
 
     def listed(self, state: Any) -> list[Any]:
         """The state's variables the proxy lists in the optimizer's
@@ -321,7 +322,6 @@ class Backend(Protocol):
 
     def no_op(self) -> Any:
         """What a write that does nothing returns (`read_value=False`)."""
-
     def delegate_tracking(self, optimizer: Any, inner: Any) -> None:
         """Points the checkpoint tracking of a loss-scale `optimizer` that
         hands it to the inner optimizer it was created with (tf_keras's, for

@@ -23,7 +23,7 @@ import numpy as np
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
 
-from gradaccum._backend import StateVariables, Update, device_local, gradients
+from gradaccum._backend import StateVariables, Update, device_local, gradients, position
 
 
 def is_traced(value: Any) -> bool:
@@ -102,8 +102,7 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
     """The hooks of `gradaccum._backend.Backend` with Keras ops (JAX)."""
 
     counter_dtype = "int32"
-    # The cycle's position is read from the device (see the PyTorch hooks).
-    host_counters = False
+    reads_back = True
 
     def __init__(self) -> None:
         # Device-local accumulators (by id): their number of devices.
@@ -183,6 +182,9 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
         """The devices a device-local accumulator has an entry for; 0 for
         one of its variable's shape."""
         return self.local.get(id(accumulator), 0)
+
+    def position(self, counter: Any, flags: Any) -> position.Position:
+        return position.DevicePosition(self, counter, flags)
 
     def listed(self, state: Any) -> list[Any]:
         own = [*state.accumulators, state.micro_step, state.weight_total]

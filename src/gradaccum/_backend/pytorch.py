@@ -3,7 +3,7 @@
 Keras's PyTorch trainer runs eagerly: each operation is queued for the
 device, and reading a tensor's value into Python (`bool`, `item`, `int`,
 `float`, `tolist`, `numpy`, `cpu`) waits until the device has run all of
-them. So the cycle's position lives on the host (`host_counters`): the core
+them. So the cycle's position lives on the host (`HostPosition`): the core
 knows whether a micro-step is a cycle's first and whether it ends the cycle
 from Python integers, writes the saved counter without reading it, and each
 hook here receives those conditions as Python booleans. The accumulators are
@@ -21,6 +21,7 @@ import torch
 
 from gradaccum._backend import StateVariables, Update
 from gradaccum._backend.keras_ops import KerasOpsBackend
+from gradaccum._backend.position import HostPosition, Position
 
 
 def _values(variables: Sequence[Any]) -> list[torch.Tensor]:
@@ -30,13 +31,16 @@ def _values(variables: Sequence[Any]) -> list[torch.Tensor]:
 class TorchBackend(KerasOpsBackend):
     """The hooks of `gradaccum._backend.Backend` on PyTorch."""
 
-    host_counters = True
+    reads_back = False
 
     def create_state(
         self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
     ) -> StateVariables:
         # Which variables took part in the cycle is kept on the host.
         return super().create_state(family, variables, n, dtype)._replace(touched=None)
+
+    def position(self, counter: Any, flags: Any) -> Position:
+        return HostPosition(self, counter)
 
     def snapshot(self, variable: Any) -> Any:
         # A write copies into the tensor the variable holds.

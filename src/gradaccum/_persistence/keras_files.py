@@ -138,8 +138,9 @@ def _touched(state: State, backend: Any) -> np.ndarray:
     """Which variables received a gradient in the current cycle."""
     if state.touched is not None:
         return backend.saved(state.touched, False) > 0
-    if backend.host_counters:
-        return np.array([i in state.host_touched for i in range(len(state.accumulators))])
+    took_part = state.position.took_part()
+    if took_part is not None:
+        return np.array([i in took_part for i in range(len(state.accumulators))])
     return np.array([i in state.participants for i in range(len(state.accumulators))])
 
 
@@ -218,10 +219,7 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
     state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
     touched = np.asarray(values[f"{KEY}touched"], dtype=bool)
     touched = {i for i, j in enumerate(source) if touched[j]} & state.participants
-    state.host_touched = touched
-    if state.touched is not None:
-        mask = np.array([int(i in touched) for i in range(len(state.accumulators))], np.int32)
-        backend.load(state.touched, mask, True)
+    state.position.load_took_part(touched, len(state.accumulators))
     if state.noise is not None:
         # A file written without the noise scale leaves it unmeasured.
         for name, variable in zip(NOISE_NAMES, state.noise.variables()):

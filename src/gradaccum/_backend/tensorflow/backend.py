@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradaccum._backend import StateVariables, Update
+from gradaccum._backend.position import DevicePosition, Position
 from gradaccum._backend.tensorflow import distribution, tensors, updates
 from gradaccum._backend.tensorflow.kept import Kept
 
@@ -35,7 +36,7 @@ class TensorFlowBackend:
     """The hooks of `gradaccum._backend.Backend` on TensorFlow."""
 
     counter_dtype = "int64"
-    host_counters = False
+    reads_back = True
 
     # ------------------------------------------------------------------
     # State.
@@ -72,6 +73,9 @@ class TensorFlowBackend:
                 )
                 for v in variables
             ]
+
+    def position(self, counter: Any, flags: Any) -> Position:
+        return DevicePosition(self, counter, flags)
 
     def listed(self, state: Any) -> list[Any]:
         # Checkpoints reach the state through the proxy's checkpoint child
