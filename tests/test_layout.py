@@ -178,6 +178,24 @@ def test_only_the_backends_know_where_the_cycle_position_is_kept():
         assert not host, (name, host)
 
 
+def _declared_methods(module: pathlib.Path, protocol: str) -> list[str]:
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == protocol:
+            return [f.name for f in node.body if isinstance(f, ast.FunctionDef)]
+    raise AssertionError(f"{protocol} not found in {module}")
+
+
+def test_the_backend_seam_stays_narrow():
+    """`Backend` declares at most 20 methods: the tensor work, distribution
+    and gradients are groups of their own (`Tensors`, `Replicas`,
+    `Gradients`), and kept slices an optional protocol (`KeptSlices`)."""
+    seam = SOURCE / "_backend" / "__init__.py"
+    declared = _declared_methods(seam, "Backend")
+    assert len(declared) <= 20, declared
+    for group in ("Tensors", "Replicas", "Gradients", "KeptSlices"):
+        assert not set(_declared_methods(seam, group)) & set(declared), group
+
+
 def test_modules_and_classes_stay_small():
     for name, path in _modules().items():
         tree = ast.parse(path.read_text())

@@ -144,7 +144,7 @@ class AdaptiveClipping:
             scale: A loss-scale factor `grad` carries (clipping looks at
                 `grad / scale`), or None.
         """
-        grad = _backend.for_active().densify(grad)
+        grad = _backend.for_active().gradients.densify(grad)
         dtype = _compute_dtype(grad.dtype)
         dense = ops.cast(grad, dtype)
         if scale is not None:
@@ -177,7 +177,7 @@ class AdaptiveClipping:
             if g is None or self.excludes(v):
                 out.append(g)
                 continue
-            out.append(backend.scale_gradient(g, self.factor(g, v, scale)))
+            out.append(backend.gradients.scale_gradient(g, self.factor(g, v, scale)))
         return out
 
 

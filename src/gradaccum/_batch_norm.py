@@ -174,8 +174,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
             count = count * shape[axis]
         count = ops.cast(count, "float32")
         backend = _backend.for_active()
-        if self.synchronized and backend.replicas() > 1:
-            count = backend.sum_over_replicas(count)
+        if self.synchronized and backend.replicas.count() > 1:
+            count = backend.replicas.sum(count)
         return count
 
     def _pool(self, mean: Any, variance: Any, count: Any, last: Any) -> None:

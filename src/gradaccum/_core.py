@@ -260,15 +260,15 @@ class Core:
             if maximum:
                 # A weight scales a contribution to a mean or a sum; a
                 # maximum has none to scale.
-                backend.max_into(accumulator, g, first)
-            elif backend.is_slices(g) and self.settings.sparse != "rows":
+                backend.tensors.max_into(accumulator, g, first)
+            elif backend.gradients.is_slices(g) and self.settings.sparse != "rows":
                 kept = state.kept_for(i, self.settings.sparse == "slices")
                 self.weights.if_accepted(backend.keep_slices, kept, g, weight, first)
             elif state.compensated(i):
                 compensated[0].append(accumulator)
                 compensated[1].append(state.compensations[i])
                 compensated[2].append(g)
-            elif backend.is_slices(g):
+            elif backend.gradients.is_slices(g):
                 backend.scatter_into(accumulator, g, weight, first)
             else:
                 if state.keeps_slices(i):
@@ -284,7 +284,7 @@ class Core:
                 measured.append(g)
             given.add(i)
             state.participants.add(i)
-        backend.add_into(*dense, weight, first)
+        backend.tensors.add_into(*dense, weight, first)
         _compensated.add(backend, *compensated, weight, first)
         if state.noise is not None:
             state.noise.add(measured, weight, first)
@@ -295,8 +295,8 @@ class Core:
             missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
             missing += [c for i, kept in state.kept.items() if i not in given for c in backend.kept_counters(kept)]
             missing += [c for i, c in enumerate(state.compensations or []) if i not in given]
-            backend.zero_if(first, missing)
-        backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
+            backend.tensors.zero_if(first, missing)
+        backend.tensors.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
         state.position.mark(given, first, self.weights.accepted)
         return given
 
@@ -309,7 +309,7 @@ class Core:
         if state is None or not state.participants:
             return
         state.load_restored_slices()
-        self.backend.on_each_replica(self.family, self._flush_here)
+        self.backend.replicas.on_each(self.family, self._flush_here)
 
     def _flush_here(self) -> None:
         pending = self.state.position.pending()

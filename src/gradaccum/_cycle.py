@@ -147,7 +147,7 @@ class Cycle:
                 return ops.convert_to_tensor(adaptive.min_n, dtype=dtype)
             # Under several replicas, each holds 1/replicas of the choice
             # (`gradaccum._noise`); one replica, or a read across them, all of it.
-            chosen = self._backend.read(self._chosen) * float(self._backend.replicas())
+            chosen = self._backend.read(self._chosen) * float(self._backend.replicas.count())
             n = ops.cast(ops.round(chosen), dtype)
             return ops.maximum(n, ops.cast(adaptive.min_n, dtype))
         if self.schedule is not None:
@@ -219,7 +219,7 @@ class Cycle:
         if traced:
             self._handed_over_in_trace = True
         variable, backend = self._variable, self._backend
-        return backend.guarded(
+        return backend.tensors.guarded(
             lambda: ops.equal(backend.read(variable), 1),
             "gradaccum: this function was traced with n=1, which hands "
             "gradients straight to the wrapped optimizer, but `n` has changed "

@@ -91,7 +91,7 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
     if core.family.grows:
         # A step traced before an accumulator was added cannot zero it on
         # a cycle's first micro-step; the end of a cycle does instead.
-        backend.zero_if(ends, accumulators)
+        backend.tensors.zero_if(ends, accumulators)
 
 
 def _held(backend: Any, state: Any, i: int) -> Any:
@@ -119,7 +119,7 @@ def deliver(
     """
     grads = list(grads)
     family, agc, backend = core.family, core.agc, core.backend
-    replicas = backend.replicas()
+    replicas = backend.replicas.count()
     clip = family.replica_clip() if replicas > 1 else None
     if agc is not None or clip is not None:
         scale = family.gradient_scale()
@@ -129,7 +129,7 @@ def deliver(
                 summed = agc.clip(summed, variables, scale)
             return summed if clip is None else clip(summed)
 
-        grads = backend.clip_as_one_device(grads, clip_sum) if replicas > 1 else clip_sum(grads)
+        grads = backend.replicas.clip_as_one_device(grads, clip_sum) if replicas > 1 else clip_sum(grads)
     family.apply(grads, variables, options, masking)
 
 
@@ -146,9 +146,9 @@ def _divisor(core: Any) -> Any:
     if core.settings.reduction == "sum":
         return None
     total = core.backend.read(core.state.weight_total)
-    replicas = core.backend.replicas()
+    replicas = core.backend.replicas.count()
     if core.weighted and replicas > 1:
-        total = core.backend.sum_over_replicas(total) / float(replicas)
+        total = core.backend.replicas.sum(total) / float(replicas)
     # An empty (or zero-weight) cycle applies nothing: avoid 0 / 0.
     return ops.where(total > 0, total, ops.ones_like(total))
 

@@ -120,7 +120,7 @@ def count_of(
     if weight is not None:
         weight = ops.cast(weight, values.dtype)
         values, weight = keras_loss.squeeze_or_expand_to_same_rank(values, weight)
-    static, entries = _backend.for_active().shape_and_entries(values, weight)
+    static, entries = _backend.for_active().gradients.shape_and_entries(values, weight)
     if static is not None and static in ((), (0,)):
         return Count(None)
     if reduction == "mean_with_sample_weight" and sample_weight is not None:

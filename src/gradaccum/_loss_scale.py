@@ -37,7 +37,7 @@ class _UncountedIterations(wrapt.ObjectProxy):
     def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
         if read_value:
             return self.__wrapped__.read_value()
-        return _backend.for_active().no_op()
+        return _backend.for_active().gradients.no_op()
 
 
 class _UncountedSkips(wrapt.ObjectProxy):
@@ -151,7 +151,7 @@ def _install(optimizer: Any, attribute: str, inner: Any) -> None:
     # tf_keras's loss-scale optimizer for OptimizerV2 hands every checkpoint
     # call to the inner optimizer it was created with; point it at the
     # accumulating one, or checkpoints would miss its state.
-    _backend.for_active().delegate_tracking(optimizer, inner)
+    _backend.for_active().gradients.delegate_tracking(optimizer, inner)
 
 
 def load_when_built(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:

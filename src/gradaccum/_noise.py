@@ -83,7 +83,7 @@ class Noise:
     def add(self, grads: Sequence[Any], weight: Any, first: Any) -> None:
         """Adds `weight * |g|²` of one micro-step's gradients `grads` to S
         (sets it on a cycle's first micro-step)."""
-        self._backend.add_squared_norm(self.square_sum, list(grads), weight, first)
+        self._backend.tensors.add_squared_norm(self.square_sum, list(grads), weight, first)
 
     def measure(self, ends: Any, steps: Any, sums: Callable[[], list[Any]], weight_total: Any) -> None:
         """Updates the estimates from the cycle that `ends` (if it does):
@@ -98,14 +98,14 @@ class Noise:
             condition: Any = True
         else:
             condition = ops.logical_and(ends, ops.greater_equal(steps, 2))
-        replicas = float(backend.replicas())
+        replicas = float(backend.replicas.count())
         decay, schedule = self._decay, self.schedule
 
         def update() -> None:
             total = ops.cast(backend.read(weight_total), "float32")
             k = ops.cast(steps, "float32")
             safe = ops.where(total > 0, total, ops.ones_like(total))
-            big = backend.squared_norm(sums()) / ops.square(safe)
+            big = backend.tensors.squared_norm(sums()) / ops.square(safe)
             small = backend.read(self.square_sum) / safe
             # Each replica's gradients are 1/R of its own mean's: scaled back
             # by R², then divided by R, so that the replicas' sum is their mean.
@@ -137,7 +137,7 @@ class Noise:
         read = backend.read
         local = ops.stack([read(self.gradient_sq), read(self.trace), read(self.batch),
                            ops.cast(read(weight_total), "float32")])
-        gradient_sq, trace, batch, total = ops.unstack(backend.sum_over_replicas(local))
+        gradient_sq, trace, batch, total = ops.unstack(backend.replicas.sum(local))
         # Each replica holds 1/replicas of the choice: read as the sum, as the estimates.
         held = read(self.next_n)
         current = ops.maximum(held * replicas, ops.cast(steps, "float32"))

@@ -199,8 +199,8 @@ class State:
             return
         held = [self.accumulators[i] for i in left_out]
         names = [variable_name(self.variables[i]) for i in left_out]
-        self._backend.assert_that(
-            lambda: ops.logical_not(ops.logical_and(ends, self._backend.any_nonzero(held))),
+        self._backend.tensors.assert_that(
+            lambda: ops.logical_not(ops.logical_and(ends, self._backend.tensors.any_nonzero(held))),
             f"gradaccum: this traced step was traced before variables {names} first "
             "received gradients, and leaves them out of the update, but they hold "
             "accumulated gradients now. Trace every step after each variable has "

@@ -53,7 +53,7 @@ class Weights:
         A loss-scale optimizer calls the core without a weight; the
         accumulating optimizer around it hands the weight over this way.
         """
-        replica = self._backend.replica_id()
+        replica = self._backend.replicas.index()
         self._handed[replica] = check_weight(weight)
         try:
             yield
@@ -74,7 +74,7 @@ class Weights:
         Args:
             count: A scalar float32 tensor, or None.
         """
-        replica = self._backend.replica_id()
+        replica = self._backend.replicas.index()
         if count is None or self._weigh_by != "count":
             self._counts.pop(replica, None)
         else:
@@ -88,14 +88,14 @@ class Weights:
         Args:
             weights: A float32 vector, one entry per device.
         """
-        self._counts[self._backend.replica_id()] = weights
+        self._counts[self._backend.replicas.index()] = weights
         self._devices_next = int(weights.shape[0])
 
     def _check_value(self, weight: Any) -> None:
         backend = self._backend
         if not backend.reads_back:
             # Checked on the device, without reading it (PyTorch).
-            backend.assert_that(lambda: _valid(weight), WEIGHT_MESSAGE)
+            backend.tensors.assert_that(lambda: _valid(weight), WEIGHT_MESSAGE)
         elif backend.known(weight):
             check_weight_value(float(ops.convert_to_numpy(weight)))
         else:
@@ -135,7 +135,7 @@ class Weights:
         def refused(grad: Any, index: int) -> Any:
             if grad is None:
                 return None
-            slices = backend.is_slices(grad)
+            slices = backend.gradients.is_slices(grad)
             values = grad.values if slices else grad
             fill = float("-inf") if state.keeps_maximum(index) else 0.0
             values = ops.where(accepted, values, ops.full_like(values, fill))
@@ -171,12 +171,12 @@ class Weights:
         self.accepted = None
         weight = check_weight(weight)
         if weight is None:
-            weight = self._handed.pop(self._backend.replica_id(), None)
+            weight = self._handed.pop(self._backend.replicas.index(), None)
         if weight is not None and not isinstance(weight, float):
             self._check_value(weight)
-        count = self._counts.pop(self._backend.replica_id(), None)
+        count = self._counts.pop(self._backend.replicas.index(), None)
         self.devices, self._devices_next = self._devices_next, 0
-        if count is not None and not self._backend.usable_here(count):
+        if count is not None and not self._backend.gradients.usable_here(count):
             count, self.devices = None, 0
         return weight, count
 
@@ -188,6 +188,6 @@ def checked(backend: Backend, checks: Sequence[tuple[Callable[[], Any], str]]) -
     without XLA), so that a failed one leaves the state as it was."""
     with contextlib.ExitStack() as stack:
         for condition, message in checks:
-            stack.enter_context(backend.guarded(condition, message))
+            stack.enter_context(backend.tensors.guarded(condition, message))
         yield
 

@@ -26,11 +26,13 @@ train; `for_active()` gives the hooks of the active one.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import keras
+
+# The modules above run their entry points through `_backend.unconverted`.
+from gradaccum._backend.as_written import unconverted as unconverted
 
 SUPPORTED = ("tensorflow", "jax", "torch")
 
@@ -53,46 +55,6 @@ def check_supported() -> None:
             f"active Keras backend is {backend!r}, which cannot train. Set "
             "KERAS_BACKEND to one of those."
         )
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def unconverted(method: _F) -> _F:
-    """Runs `method` as it is written: never converted by TensorFlow's
-    AutoGraph, never traced by `torch.compile`.
-
-    A `tf.function` converts the Python functions it calls, unless they are
-    Keras's or TensorFlow's, so a custom loop would convert the accumulation,
-    which writes every branch itself, where `fit` (Keras's code calling it)
-    does not. So it runs unconverted everywhere, and so do the branches and
-    merge calls it makes.
-
-    `torch.compile` (`jit_compile=True` on PyTorch) traces Python into a graph
-    that keeps the tensor work and drops or freezes the rest: the cycle's
-    position kept on the host, a loss count handed to the optimizer, and any
-    attribute of the proxy it cannot look up (wrapt's proxy is a C type), read
-    as absent. So on PyTorch it runs between the compiled graphs.
-    """
-    eager: list[Callable[..., Any]] = []
-
-    @functools.wraps(method)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        backend = active()
-        if backend == "tensorflow":
-            import tensorflow as tf
-
-            return tf.autograph.experimental.do_not_convert(method)(*args, **kwargs)
-        if backend == "torch":
-            import torch
-
-            if torch.compiler.is_compiling():
-                if not eager:
-                    eager.append(torch.compiler.disable(method))
-                return eager[0](*args, **kwargs)
-        return method(*args, **kwargs)
-
-    return call  # type: ignore[return-value]
 
 
 class StateVariables(NamedTuple):
@@ -151,13 +113,116 @@ class Update(NamedTuple):
     conditions: dict[int, Callable[[], Any]] = {}
 
 
+class Tensors(Protocol):
+    """The tensor work of a micro-step: sums, maxima, norms, zeroing and
+    run-time assertions. Written once in Keras ops (`tensors.KerasOpsTensors`);
+    PyTorch's writes in place, all variables in one multi-tensor operation,
+    and TensorFlow's is written for its graphs, XLA and replica-local
+    variables. `first`: whether the micro-step is its cycle's first."""
+
+    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        """`acc += weight * grad` (`grad` for `weight=None`) for each pair;
+        on a cycle's first micro-step (`first`) writes it over `acc`."""
+
+    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
+        """`acc = maximum(acc, value)`, or `value` on a cycle's first
+        micro-step."""
+
+    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
+        """`total += value`, or `value` on a cycle's first micro-step."""
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        """The float32 scalar sum of squares of every element of `values`
+        (gradients or accumulators; a sparse gradient's values)."""
+
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        """`total += weight * squared_norm(values)` (`weight=None`: 1), or
+        that product on a cycle's first micro-step (`first`)."""
+
+    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
+        """Zeroes `variables` if the scalar `condition` holds."""
+
+    def any_nonzero(self, variables: Sequence[Any]) -> Any:
+        """Scalar boolean: some element of some of `variables` is not 0."""
+
+    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
+        """In a traced step, a run-time assertion of `condition()`, where the
+        backend has one (not JAX; TensorFlow's, which XLA drops, not under
+        XLA; PyTorch's, on the device, also eagerly); else nothing."""
+
+    def guarded(self, condition: Callable[[], Any], message: str) -> contextlib.AbstractContextManager[None]:
+        """Within the block, ops of a traced step run only where
+        `condition()` holds at run time (an assertion), where the backend
+        has one; else nothing."""
+
+
+class Replicas(Protocol):
+    """Distribution: one replica on a backend without `tf.distribute`."""
+
+    def count(self) -> int:
+        """Replicas taking part in the current replica context."""
+
+    def index(self) -> int:
+        """This replica's index (0 outside replica context)."""
+
+    def sum(self, values: Any) -> Any:
+        """All-reduces `values` by summation across replicas."""
+
+    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
+        """Clips the replicas' summed gradient with `clip`, and hands each
+        replica its share of the result."""
+
+    def on_each(self, family: Any, fn: Callable[[], None]) -> None:
+        """Runs `fn` once per replica (from wherever it is called)."""
+
+
+class Gradients(Protocol):
+    """Gradients and losses as the core and the layers above it see them
+    (`gradients.KerasOpsGradients`: every gradient dense, every shape known)."""
+
+    def is_slices(self, grad: Any) -> bool:
+        """Whether `grad` is a sparse gradient (only TensorFlow has them,
+        `tf.IndexedSlices`; its backend also gives the hooks of `KeptSlices`)."""
+
+    def densify(self, grad: Any) -> Any:
+        """`grad` as a dense tensor (a sparse gradient's rows summed)."""
+
+    def scale_gradient(self, grad: Any, factor: Any) -> Any:
+        """`grad * factor` in `grad`'s dtype; a sparse gradient stays sparse
+        (`factor` then multiplies its rows' values)."""
+
+    def shape_and_entries(self, values: Any, weight: Any) -> tuple[tuple[int | None, ...] | None, Any]:
+        """The shape of `values * weight` (of `values` for `weight=None`)
+        as far as known here (None if its rank is not), and its number of
+        entries as a float32 scalar tensor (known at run time)."""
+
+    def usable_here(self, value: Any) -> bool:
+        """Whether a value handed over from an earlier call (a loss count)
+        belongs to the trace (or eager run) running now."""
+
+    def no_op(self) -> Any:
+        """What a write that does nothing returns (`read_value=False`)."""
+
+    def delegate_tracking(self, optimizer: Any, inner: Any) -> None:
+        """Points the checkpoint tracking of a loss-scale `optimizer` that
+        hands it to the inner optimizer it was created with (tf_keras's, for
+        OptimizerV2) at `inner`; nothing for any other."""
+
+
 class Backend(Protocol):
-    """The hooks a backend gives the core."""
+    """The hooks a backend gives the core: the state, reading and writing
+    it, and running a step; the tensor work, distribution and gradients in
+    groups of their own."""
 
     # The dtype of the micro-step counter and of `n`.
     counter_dtype: str
     # Whether a micro-step may read a value into Python (not on PyTorch: it waits for the device).
     reads_back: bool
+    tensors: Tensors
+    replicas: Replicas
+    gradients: Gradients
+
+    # The state.
 
     def create_state(
         self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
@@ -171,6 +236,10 @@ class Backend(Protocol):
         float64 for float64 variables and float32 for those that keep a
         maximum."""
 
+    def scalar_variable(self, family: Any, name: str) -> Any:
+        """A float32 scalar variable, 0, each replica's own (read as the sum
+        over replicas), placed as the accumulation state is."""
+
     def position(self, counter: Any, flags: Any) -> Any:
         """The cycle's `position.Position`, in `counter` and `flags` (`StateVariables`) or on the host."""
 
@@ -183,6 +252,8 @@ class Backend(Protocol):
 
     def check_build(self, family: Any, sparse: str) -> None:
         """Raises if the state cannot be built here (while traced, say)."""
+
+    # Reading and writing it.
 
     def known(self, value: Any) -> bool:
         """Whether `value`'s value can be read in Python here (not traced)."""
@@ -208,9 +279,10 @@ class Backend(Protocol):
     def load(self, variable: Any, value: Any, maximum: bool) -> None:
         """Writes a value `saved` returned back (a sum split among replicas)."""
 
-    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
-        """`acc += weight * grad` (`grad` for `weight=None`) for each pair;
-        on a cycle's first micro-step (`first`) writes it over `acc`."""
+    def assign(self, variable: Any, value: Any) -> None:
+        """Writes `value` (a tensor, or a Python number) to `variable`."""
+
+    # Running a step.
 
     def after(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any
               ) -> contextlib.AbstractContextManager[None]:
@@ -225,33 +297,10 @@ class Backend(Protocol):
     def ordered(self, value: Any) -> Any:
         """`value`, made to wait for what the block waits for (`after`, `guarded`), also across a merge call."""
 
-    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
-        """`acc = maximum(acc, value)`, or `value` on a cycle's first
-        micro-step."""
-
-    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
-        """`total += value`, or `value` on a cycle's first micro-step."""
-
-    def scalar_variable(self, family: Any, name: str) -> Any:
-        """A float32 scalar variable, 0, each replica's own (read as the sum
-        over replicas), placed as the accumulation state is."""
-
-    def squared_norm(self, values: Sequence[Any]) -> Any:
-        """The float32 scalar sum of squares of every element of `values`
-        (gradients or accumulators; a sparse gradient's values)."""
-
-    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
-        """`total += weight * squared_norm(values)` (`weight=None`: 1), or
-        that product on a cycle's first micro-step (`first`)."""
-
-    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
-        """Zeroes `variables` if the scalar `condition` holds."""
-
-    def assign(self, variable: Any, value: Any) -> None:
-        """Writes `value` to `variable`."""
-
-    def set_counter(self, variable: Any, value: int) -> None:
-        """Writes the Python integer `value` to an integer variable."""
+    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
+        """Runs `fn`, which synchronises nothing, only if `condition`;
+        `writes`: the variables `fn` writes (a traced branch on JAX returns
+        their new values)."""
 
     def finish(self, update: Update, mode: str) -> None:
         """Runs `update.apply` so that it takes effect only if `update.ends`
@@ -260,79 +309,12 @@ class Backend(Protocol):
     def masks_each(self, family: Any) -> bool:
         """Whether `finish` honours `Update.conditions` for this family."""
 
-    def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
-        """Runs `fn`, which synchronises nothing, only if `condition`;
-        `writes`: the variables `fn` writes (a traced branch on JAX returns
-        their new values)."""
-
-    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
-        """In a traced step, a run-time assertion of `condition()`, where the
-        backend has one (not JAX; TensorFlow's, which XLA drops, not under
-        XLA); else nothing."""
-
-    def any_nonzero(self, variables: Sequence[Any]) -> Any:
-        """Scalar boolean: some element of some of `variables` is not 0."""
-
-    def guarded(self, condition: Callable[[], Any], message: str) -> contextlib.AbstractContextManager[None]:
-        """Within the block, ops of a traced step run only where
-        `condition()` holds at run time (an assertion), where the backend
-        has one; else nothing."""
-
-    # Distribution: one replica on a backend without `tf.distribute`.
-
-    def replicas(self) -> int:
-        """Replicas taking part in the current replica context."""
-
-    def replica_id(self) -> int:
-        """This replica's index (0 outside replica context)."""
-
-    def sum_over_replicas(self, values: Any) -> Any:
-        """All-reduces `values` by summation across replicas."""
-
-    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
-        """Clips the replicas' summed gradient with `clip`, and hands each
-        replica its share of the result."""
-
-    def on_each_replica(self, family: Any, fn: Callable[[], None]) -> None:
-        """Runs `fn` once per replica (from wherever it is called)."""
-
-    def usable_here(self, value: Any) -> bool:
-        """Whether a value handed over from an earlier call belongs to the
-        trace (or eager run) running now."""
-
-    # Sparse gradients: only TensorFlow has them (`tf.IndexedSlices`); a
-    # backend that has them also gives the hooks of `KeptSlices`.
-
-    def is_slices(self, grad: Any) -> bool:
-        """Whether `grad` is a sparse gradient."""
-
-    # Gradients and losses as the layers above the core see them (`gradients`).
-
-    def densify(self, grad: Any) -> Any:
-        """`grad` as a dense tensor (a sparse gradient's rows summed)."""
-
-    def scale_gradient(self, grad: Any, factor: Any) -> Any:
-        """`grad * factor` in `grad`'s dtype; a sparse gradient stays sparse
-        (`factor` then multiplies its rows' values)."""
-
-    def shape_and_entries(self, values: Any, weight: Any) -> tuple[tuple[int | None, ...] | None, Any]:
-        """The shape of `values * weight` (of `values` for `weight=None`)
-        as far as known here (None if its rank is not), and its number of
-        entries as a float32 scalar tensor (known at run time)."""
-
-    def no_op(self) -> Any:
-        """What a write that does nothing returns (`read_value=False`)."""
-    def delegate_tracking(self, optimizer: Any, inner: Any) -> None:
-        """Points the checkpoint tracking of a loss-scale `optimizer` that
-        hands it to the inner optimizer it was created with (tf_keras's, for
-        OptimizerV2) at `inner`; nothing for any other."""
-
 
 @runtime_checkable
 class KeptSlices(Protocol):
     """The hooks of a backend with sparse gradients (TensorFlow's alone):
     a variable's slices kept as slices for a cycle. The core asks for them
-    only where `Backend.is_slices` said a gradient is sparse; elsewhere
+    only where `Gradients.is_slices` said a gradient is sparse; elsewhere
     `isinstance(backend, KeptSlices)` tells whether slices can be kept."""
 
     def scatter_into(self, accumulator: Any, grad: Any, weight: Any, first: Any) -> None:

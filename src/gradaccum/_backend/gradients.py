@@ -13,7 +13,10 @@ from keras import ops
 
 
 class KerasOpsGradients:
-    """The gradient and loss hooks of `gradaccum._backend.Backend` in Keras ops."""
+    """The hooks of `gradaccum._backend.Gradients` in Keras ops."""
+
+    def is_slices(self, grad: Any) -> bool:
+        return False
 
     def densify(self, grad: Any) -> Any:
         return grad
@@ -26,6 +29,9 @@ class KerasOpsGradients:
         if weight is not None:
             shape = tuple(np.broadcast_shapes(shape, tuple(weight.shape)))
         return shape, ops.convert_to_tensor(float(np.prod(shape, dtype=np.int64)), dtype="float32")
+
+    def usable_here(self, value: Any) -> bool:
+        return True
 
     def no_op(self) -> Any:
         return None

@@ -24,15 +24,7 @@ from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope, get_stateless_scope, in_stateless_scope
 
 from gradaccum._backend import StateVariables, Update, device_local, gradients, position
-
-
-def is_traced(value: Any) -> bool:
-    """Whether `value` is a JAX tracer (its value unknown while tracing)."""
-    if keras.config.backend() != "jax":
-        return False
-    import jax
-
-    return isinstance(value, jax.core.Tracer)
+from gradaccum._backend.tensors import KerasOpsTensors, OneReplica, is_traced
 
 
 def accumulator_dtype(variable: Any, dtype: str = "float32") -> str:
@@ -98,7 +90,7 @@ def run_if(condition: Any, fn: Callable[[], None], variables: Sequence[Any]) -> 
         variable.assign(value)
 
 
-class KerasOpsBackend(gradients.KerasOpsGradients):
+class KerasOpsBackend:
     """The hooks of `gradaccum._backend.Backend` with Keras ops (JAX)."""
 
     counter_dtype = "int32"
@@ -111,6 +103,9 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
         self.why_not_local: str | None = None
         self._axis: device_local.DataAxis | None = None
         self._global_only: str | None = None
+        self.tensors = KerasOpsTensors(self.local)
+        self.replicas = OneReplica()
+        self.gradients = gradients.KerasOpsGradients()
 
     # State.
 
@@ -245,70 +240,16 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
 
     # A micro-step.
 
-    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
-        # Traced, the choice is one select fused with the addition, which
-        # XLA writes into the accumulator's own buffer.
-        for accumulator, grad in zip(accumulators, grads):
-            grad = ops.cast(grad, accumulator.dtype)
-            size = self.local.get(id(accumulator))
-            if size is not None and len(grad.shape) < len(accumulator.shape):
-                # A gradient already summed over the devices (a custom loop,
-                # or a step that cannot compute them per device): it counts
-                # once, in the first device's entry. Multiplying by 0 and 1
-                # keeps it exact, and moves nothing between devices.
-                first_entry = ops.reshape(ops.one_hot(0, size, dtype=grad.dtype), (size,) + (1,) * len(grad.shape))
-                grad = first_entry * grad[None]
-            if weight is not None:
-                scale = ops.cast(weight, accumulator.dtype)
-                if len(scale.shape) == 1:  # one weight per device
-                    scale = ops.reshape(scale, (-1,) + (1,) * (len(grad.shape) - 1))
-                grad = grad * scale
-            if is_traced(first):
-                accumulator.assign(ops.where(first, grad, accumulator.value + grad))
-            else:
-                accumulator.assign(grad if bool(first) else accumulator.value + grad)
-
     def after(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any) -> Any:
         return contextlib.nullcontext()  # JAX orders writes by their inputs; PyTorch runs in order
 
     def ordered(self, value: Any) -> Any:
         return value
 
-    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
-        value = ops.cast(value, accumulator.dtype)
-        accumulator.assign(ops.where(first, value, ops.maximum(accumulator.value, value)))
-
-    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
-        value = ops.cast(value, total.dtype)
-        if len(value.shape) == 1:
-            # One weight per device: the micro-batch's is their sum (a
-            # scalar all-reduce, as the step's loss has anyway).
-            value = ops.sum(value)
-        total.assign(ops.where(first, value, total.value + value))
-
     def scalar_variable(self, family: Any, name: str) -> Any:
         return _variable(name, (), "float32")
 
-    def squared_norm(self, values: Sequence[Any]) -> Any:
-        parts = [ops.sum(ops.square(ops.cast(v, "float32"))) for v in values]
-        return ops.sum(ops.stack(parts)) if parts else ops.convert_to_tensor(0.0, "float32")
-
-    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
-        square = self.squared_norm(values)
-        self.add_scalar(total, square if weight is None else square * ops.cast(weight, "float32"), first)
-
-    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
-        for variable in variables:
-            if is_traced(condition):
-                value = variable.value
-                variable.assign(ops.where(condition, ops.zeros_like(value), value))
-            elif bool(condition):
-                variable.assign(ops.zeros_like(variable.value))
-
     def assign(self, variable: Any, value: Any) -> None:
-        variable.assign(value)
-
-    def set_counter(self, variable: Any, value: int) -> None:
         variable.assign(value)
 
     def masks_each(self, family: Any) -> bool:
@@ -364,37 +305,3 @@ class KerasOpsBackend(gradients.KerasOpsGradients):
             run_if(condition, fn, writes)
         elif bool(condition):
             fn()
-
-    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
-        return None  # no cheap run-time assertion: JAX checks nothing at run time
-
-    def guarded(self, condition: Callable[[], Any], message: str) -> Any:
-        return contextlib.nullcontext()  # no cheap run-time assertion (see `gradaccum._cycle`)
-
-    # Distribution: one replica.
-
-    def replicas(self) -> int:
-        return 1
-
-    def replica_id(self) -> int:
-        return 0
-
-    def sum_over_replicas(self, values: Any) -> Any:
-        return values
-
-    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
-        return clip(grads)
-
-    def on_each_replica(self, family: Any, fn: Callable[[], None]) -> None:
-        fn()
-
-    def usable_here(self, value: Any) -> bool:
-        return True
-
-    def any_nonzero(self, variables: Sequence[Any]) -> Any:
-        return ops.any(ops.stack([ops.any(ops.not_equal(v, 0)) for v in variables]))
-
-    # Sparse gradients: dense on these backends.
-
-    def is_slices(self, grad: Any) -> bool:
-        return False

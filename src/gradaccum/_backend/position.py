@@ -181,7 +181,7 @@ class HostPosition:
         self._steps = 0 if ends else steps
         if ends and self._applied is not None:
             self._applied += 1
-        self._backend.set_counter(self._counter, self._steps)
+        self._backend.assign(self._counter, self._steps)
 
     def n(self, length: Any, applied: Any) -> int | None:
         return length.on_host(self._applied)

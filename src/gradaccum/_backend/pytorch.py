@@ -22,29 +22,16 @@ import torch
 from gradaccum._backend import StateVariables, Update
 from gradaccum._backend.keras_ops import KerasOpsBackend
 from gradaccum._backend.position import HostPosition, Position
+from gradaccum._backend.tensors import KerasOpsTensors
 
 
 def _values(variables: Sequence[Any]) -> list[torch.Tensor]:
     return [v.value for v in variables]
 
 
-class TorchBackend(KerasOpsBackend):
-    """The hooks of `gradaccum._backend.Backend` on PyTorch."""
-
-    reads_back = False
-
-    def create_state(
-        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
-    ) -> StateVariables:
-        # Which variables took part in the cycle is kept on the host.
-        return super().create_state(family, variables, n, dtype)._replace(touched=None)
-
-    def position(self, counter: Any, flags: Any) -> Position:
-        return HostPosition(self, counter)
-
-    def snapshot(self, variable: Any) -> Any:
-        # A write copies into the tensor the variable holds.
-        return variable.value.detach().clone()
+class TorchTensors(KerasOpsTensors):
+    """The hooks of `gradaccum._backend.Tensors` on PyTorch: in place, every
+    variable in one multi-tensor operation; `first` is a Python boolean."""
 
     def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: bool) -> None:
         targets = _values(accumulators)
@@ -114,7 +101,36 @@ class TorchBackend(KerasOpsBackend):
             with torch.no_grad():
                 torch._foreach_zero_(_values(variables))
 
-    def set_counter(self, variable: Any, value: int) -> None:
+    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
+        torch._assert_async(condition(), message)
+
+
+class TorchBackend(KerasOpsBackend):
+    """The hooks of `gradaccum._backend.Backend` on PyTorch."""
+
+    reads_back = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors = TorchTensors(self.local)
+
+    def create_state(
+        self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
+    ) -> StateVariables:
+        # Which variables took part in the cycle is kept on the host.
+        return super().create_state(family, variables, n, dtype)._replace(touched=None)
+
+    def position(self, counter: Any, flags: Any) -> Position:
+        return HostPosition(self, counter)
+
+    def snapshot(self, variable: Any) -> Any:
+        # A write copies into the tensor the variable holds.
+        return variable.value.detach().clone()
+
+    def assign(self, variable: Any, value: Any) -> None:
+        if not isinstance(value, int):
+            variable.assign(value)
+            return
         with torch.no_grad():
             variable.value.fill_(value)
 
@@ -137,6 +153,3 @@ class TorchBackend(KerasOpsBackend):
     def when(self, condition: Any, fn: Callable[[], None], writes: Sequence[Any] = ()) -> None:
         if bool(condition):
             fn()
-
-    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
-        torch._assert_async(condition(), message)

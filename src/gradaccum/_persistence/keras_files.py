@@ -214,7 +214,7 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
             target = state.compensations[i]
             backend.load(target, held.astype(backend.saved(target, False).dtype), False)
     micro_step = int(np.asarray(values[f"{KEY}micro_step"]))
-    backend.set_counter(state.micro_step, micro_step)
+    backend.assign(state.micro_step, micro_step)
     seen = np.asarray(values[f"{KEY}seen"], dtype=bool)
     state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
     touched = np.asarray(values[f"{KEY}touched"], dtype=bool)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ import tensorflow as tf
 from gradaccum._backend import StateVariables, Update
 from gradaccum._backend.position import DevicePosition, Position
 from gradaccum._backend.tensorflow import distribution, tensors, updates
+from gradaccum._backend.tensorflow.gradients import TensorFlowGradients
 from gradaccum._backend.tensorflow.kept import Kept
 
 
@@ -37,6 +38,9 @@ class TensorFlowBackend:
 
     counter_dtype = "int64"
     reads_back = True
+    tensors = tensors.TensorFlowTensors()
+    replicas = distribution.TensorFlowReplicas()
+    gradients = TensorFlowGradients()
 
     # ------------------------------------------------------------------
     # State.
@@ -121,9 +125,6 @@ class TensorFlowBackend:
     # ------------------------------------------------------------------
     # A micro-step.
 
-    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
-        tensors.add_into(accumulators, grads, weight, first)
-
     def after(self, grads: Sequence[Any], variables: Sequence[Any], weight: Any
               ) -> contextlib.AbstractContextManager[None]:
         return tensors.after(grads, variables, weight)
@@ -131,32 +132,12 @@ class TensorFlowBackend:
     def ordered(self, value: Any) -> Any:
         return value if tf.executing_eagerly() else tf.identity(value)
 
-    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
-        tensors.max_into(accumulator, value, first)
-
-    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
-        tensors.add_scalar(total, value, first)
-
     def scalar_variable(self, family: Any, name: str) -> Any:
         with distribution.creation_scope(family.strategy()):
             return distribution.replica_local(tf.constant(0.0), name=name)
 
-    def squared_norm(self, values: Sequence[Any]) -> Any:
-        return tensors.squared_norm(values)
-
-    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
-        square = tensors.squared_norm(values)
-        tensors.add_scalar(total, square if weight is None else square * tf.cast(weight, tf.float32), first)
-
-    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
-        if variables:
-            tensors.zero_if(condition, variables)
-
     def assign(self, variable: Any, value: Any) -> None:
         variable.assign(tf.cast(value, variable.dtype), read_value=False)
-
-    def set_counter(self, variable: Any, value: int) -> None:
-        variable.assign(value)
 
     def finish(self, update: Update, mode: str) -> None:
         if mode == "masked":
@@ -214,50 +195,8 @@ class TensorFlowBackend:
             return
         tf.cond(condition, lambda: fn(), tensors.nothing)
 
-    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
-        if tf.executing_eagerly():
-            return None
-        return tf.debugging.Assert(condition(), [message])
-
-    @contextlib.contextmanager
-    def guarded(self, condition: Callable[[], Any], message: str) -> Iterator[None]:
-        check = self.assert_that(condition, message)
-        with tf.control_dependencies([] if check is None else [check]):
-            yield
-
     # ------------------------------------------------------------------
-    # Distribution.
-
-    def replicas(self) -> int:
-        return distribution.replicas_in_sync()
-
-    def replica_id(self) -> int:
-        return distribution.replica_id()
-
-    def sum_over_replicas(self, values: Any) -> Any:
-        return distribution.sum_over_replicas(values)
-
-    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
-        return distribution.clip_as_one_device(grads, clip)
-
-    def on_each_replica(self, family: Any, fn: Callable[[], None]) -> None:
-        strategy = family.strategy()
-        if strategy.num_replicas_in_sync > 1 and not distribution.in_replica_context():
-            distribution.run_per_replica(strategy, fn)
-        else:
-            fn()
-
-    def usable_here(self, value: Any) -> bool:
-        return tensors.usable_here(value)
-
-    def any_nonzero(self, variables: Sequence[Any]) -> Any:
-        return tensors.any_nonzero(variables)
-
-    # ------------------------------------------------------------------
-    # Sparse gradients.
-
-    def is_slices(self, grad: Any) -> bool:
-        return isinstance(grad, tf.IndexedSlices)
+    # Kept slices (`gradaccum._backend.KeptSlices`).
 
     def scatter_into(self, accumulator: Any, grad: Any, weight: Any, first: Any) -> None:
         tensors.scatter_into(accumulator, grad, weight, first)
@@ -279,33 +218,6 @@ class TensorFlowBackend:
     def kept_counters(self, kept: Kept) -> list[Any]:
         return kept.counters()
 
-    # ------------------------------------------------------------------
-    # Gradients and losses as the layers above the core see them.
-
-    def densify(self, grad: Any) -> Any:
-        return tf.convert_to_tensor(grad) if isinstance(grad, tf.IndexedSlices) else grad
-
-    def scale_gradient(self, grad: Any, factor: Any) -> Any:
-        if isinstance(grad, tf.IndexedSlices):
-            return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices, grad.dense_shape)
-        return grad * tf.cast(factor, grad.dtype)
-
-    def shape_and_entries(self, values: Any, weight: Any) -> tuple[tuple[int | None, ...] | None, Any]:
-        # A traced step may know neither the batch size nor the rank.
-        static, dynamic = values.shape, tf.shape(values)
-        if weight is not None:
-            static = tf.broadcast_static_shape(values.shape, weight.shape)
-            dynamic = tf.broadcast_dynamic_shape(tf.shape(values), tf.shape(weight))
-        entries = tf.cast(tf.reduce_prod(dynamic), tf.float32)
-        return (None if static.rank is None else tuple(static.as_list())), entries
-
-    def no_op(self) -> Any:
-        return tf.no_op()
-
-    def delegate_tracking(self, optimizer: Any, inner: Any) -> None:
-        delegating = tf.__internal__.tracking.DelegatingTrackableMixin
-        if isinstance(optimizer, delegating):
-            delegating.__init__(optimizer, inner)
 
 
 def _conditions(update: Update) -> dict[int, tf.Tensor]:

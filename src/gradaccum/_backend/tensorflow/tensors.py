@@ -9,7 +9,7 @@ here is a `tf.cond` that synchronises nothing (no all-reduce, no
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import tensorflow as tf
@@ -275,3 +275,42 @@ def zero_if(condition: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
                 done = [v.assign(tf.fill(tf.shape(v), tf.cast(zero_value, v.dtype)), read_value=False)]
 
     tf.cond(condition, zero, nothing)
+
+
+class TensorFlowTensors:
+    """The hooks of `gradaccum._backend.Tensors` on TensorFlow (the
+    functions above)."""
+
+    def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        add_into(accumulators, grads, weight, first)
+
+    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
+        max_into(accumulator, value, first)
+
+    def add_scalar(self, total: Any, value: Any, first: Any) -> None:
+        add_scalar(total, value, first)
+
+    def squared_norm(self, values: Sequence[Any]) -> Any:
+        return squared_norm(values)
+
+    def add_squared_norm(self, total: Any, values: Sequence[Any], weight: Any, first: Any) -> None:
+        square = squared_norm(values)
+        add_scalar(total, square if weight is None else square * tf.cast(weight, tf.float32), first)
+
+    def zero_if(self, condition: Any, variables: Sequence[Any]) -> None:
+        if variables:
+            zero_if(condition, variables)
+
+    def any_nonzero(self, variables: Sequence[Any]) -> Any:
+        return any_nonzero(variables)
+
+    def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
+        if tf.executing_eagerly():
+            return None
+        return tf.debugging.Assert(condition(), [message])
+
+    @contextlib.contextmanager
+    def guarded(self, condition: Callable[[], Any], message: str) -> Iterator[None]:
+        check = self.assert_that(condition, message)
+        with tf.control_dependencies([] if check is None else [check]):
+            yield
