@@ -48,11 +48,11 @@ def _restored_on_failure(state: State, backend: Backend) -> Iterator[None]:
     # of the accumulators on PyTorch and TensorFlow (there made by the first
     # write after it), once per cycle, on its last micro-step only.
     variables = [*state.accumulators, *(state.compensations or []), state.micro_step, state.weight_total]
-    variables += [v for v in (state.n, state.touched) if v is not None]
+    variables += [v for v in (state.n, state.took_part) if v is not None]
     variables += state.noise.variables() if state.noise is not None else []
     values = [backend.snapshot(v) for v in variables]
     kept = {i: k.saved() for i, k in state.kept.items() if not getattr(k, "rows_only", False)}
-    host = (set(state.participants), state.position.saved())
+    host = (set(state.took_part_ever), state.position.saved())
     try:
         yield
     except BaseException:
@@ -60,6 +60,6 @@ def _restored_on_failure(state: State, backend: Backend) -> Iterator[None]:
             backend.assign(variable, value)
         for i, saved in kept.items():
             state.kept[i].load(saved)
-        state.participants = host[0]
+        state.took_part_ever = host[0]
         state.position.restore(host[1])
         raise

@@ -8,7 +8,7 @@
 2. checks the gradients, and builds (or grows) the wrapped optimizer and the
    state (`gradaccum._state`) on first use;
 3. with `n=1`, hands the gradients straight to the wrapped optimizer;
-4. otherwise adds them into the accumulators (`Backend.add_into`); on a
+4. otherwise adds them into the accumulators (`Tensors.add_into`); on a
    cycle's first micro-step it writes over them instead, so the end of a
    cycle never clears them: a clearing after the update, which reads the
    sums inside a branch, would make XLA copy every accumulator on every
@@ -87,7 +87,7 @@ class Core:
         self.state: State | None = None
         self._on_built = on_built
         self.weights = Weights(backend, settings.weigh_by)
-        self.warned_untouched = False  # whether variables without gradients were warned about
+        self.warned_undecided = False  # see `_cycle_end`: warned once
         # Whether any micro-batch was weighted (decided while tracing).
         self.weighted = False
         # The latest micro-step's extra `apply_gradients` arguments, for its cycle's update.
@@ -198,7 +198,7 @@ class Core:
         indices = state.indices_of(variables)
         if all(g is None for g in grads):
             raise ValueError("No gradients provided for any variable (every gradient is None).")
-        if self.cycle.hands_over() and weight is None and not state.participants:
+        if self.cycle.hands_over() and weight is None and not state.took_part_ever:
             # Every micro-batch is a whole batch: hand the gradients over as
             # they are. Accumulating first would densify `IndexedSlices`
             # (summing repeated rows, which Keras applies one by one) and give
@@ -226,8 +226,8 @@ class Core:
                 ends = self.backend.ordered(ends)  # a merge call's branch waits for the checks too
                 state.check_unmet(ends)
                 with unchanged_if_raised(state, self.backend, ends):
-                    given = self._add(grads, indices, weight, first)
-                    self._finish_if(ends, steps, given)
+                    took_part = self._add(grads, indices, weight, first)
+                    self._finish_if(ends, steps, took_part)
 
     def resync(self, counter: bool = True) -> None:
         """Takes the cycle's position from its variables (if `counter`)
@@ -242,13 +242,13 @@ class Core:
             self.cycle.reread()
 
     def _add(self, grads: Sequence[Any], indices: Sequence[int], weight: Any, first: Any) -> set[int]:
-        """Adds one micro-step's gradients; returns the positions given one."""
+        """Adds one micro-step's gradients; returns the positions that took part."""
         backend, state = self.backend, self.state
         if weight is not None:
             self.weighted = True
             if not isinstance(weight, float):
                 weight = ops.cast(weight, "float32")
-        given = set()
+        took_part = set()
         measured = []  # the gradients whose norm the noise scale takes: not a maximum's
         dense: tuple[list[Any], list[Any]] = ([], [])
         compensated: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
@@ -282,23 +282,23 @@ class Core:
                 dense[1].append(g)
             if not maximum:
                 measured.append(g)
-            given.add(i)
-            state.participants.add(i)
+            took_part.add(i)
+            state.took_part_ever.add(i)
         backend.tensors.add_into(*dense, weight, first)
         _compensated.add(backend, *compensated, weight, first)
         if state.noise is not None:
             state.noise.add(measured, weight, first)
         if first is not False:  # False: a later micro-step known on the host
             # Every other accumulator: the last cycle's sums must not count in
-            # this one. Not only those of variables taking part when this step
-            # was traced: another trace may have made more take part since.
-            missing = [a for i, a in enumerate(state.accumulators) if i not in given and not state.keeps_slices(i)]
-            missing += [c for i, kept in state.kept.items() if i not in given for c in backend.kept_counters(kept)]
-            missing += [c for i, c in enumerate(state.compensations or []) if i not in given]
+            # this one. Not only those of variables that took part when this step
+            # was traced: others may have taken part in another trace since.
+            missing = [a for i, a in enumerate(state.accumulators) if i not in took_part and not state.keeps_slices(i)]
+            missing += [c for i, kept in state.kept.items() if i not in took_part for c in backend.kept_counters(kept)]
+            missing += [c for i, c in enumerate(state.compensations or []) if i not in took_part]
             backend.tensors.zero_if(first, missing)
         backend.tensors.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
-        state.position.mark(given, first, self.weights.accepted)
-        return given
+        state.position.mark(took_part, first, self.weights.accepted)
+        return took_part
 
     def flush(self) -> None:
         """Applies what the current cycle holds now, if anything: the
@@ -306,7 +306,7 @@ class Core:
         for follower in list(self._followers.values()):
             follower.flush()
         state = self.state
-        if state is None or not state.participants:
+        if state is None or not state.took_part_ever:
             return
         state.load_restored_slices()
         self.backend.replicas.on_each(self.family, self._flush_here)
@@ -322,13 +322,13 @@ class Core:
 
     # The end of a cycle.
 
-    def _finish_if(self, ends: Any, steps: Any, given: set[int] | None) -> None:
+    def _finish_if(self, ends: Any, steps: Any, took_part: set[int] | None) -> None:
         """Runs the cycle's update, kept only if `ends`; then resets the
-        micro-step counter (if `ends`) or sets it to `steps`. `given`: the
-        positions this micro-step gave a gradient (None for `flush`)."""
+        micro-step counter (if `ends`) or sets it to `steps`. `took_part`: the
+        positions that took part in this micro-step (None for `flush`)."""
         backend, state = self.backend, self.state
         # An in-between step known as one (on the host, eagerly) runs no
         # update, which could fail after its gradients were added.
         if not backend.known(ends) or bool(ends):
-            end_cycle(self, ends, steps, given)
+            end_cycle(self, ends, steps, took_part)
         state.position.advance(ends, steps)

@@ -1,7 +1,7 @@
 """The end of a cycle: its update, handed to the backend, and its delivery.
 
-`end_cycle` decides which variables take part in the cycle's update (those
-that received a gradient in the cycle), the mean's divisor, and hands the
+`end_cycle` decides which variables the cycle's update involves (those that
+took part in the cycle, see docs/ARCHITECTURE.md), the mean's divisor, and hands the
 backend the update (`gradaccum._backend.Update`), which runs so that it
 takes effect only on the step that ends the cycle. The update's gradients
 reach the wrapped optimizer through `deliver`, which clips them as one
@@ -21,40 +21,40 @@ from gradaccum._backend import Update
 from gradaccum._state import variable_name
 
 
-def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
+def end_cycle(core: Any, ends: Any, steps: Any, took_part: set[int] | None) -> None:
     """Hands the backend `core`'s cycle update, to take effect if `ends`
     (after the cycle of `steps` micro-steps is measured, if the noise
     scale is: before the update divides the accumulators).
 
-    A variable that received no gradient in the whole cycle takes no
-    part in it, as in the large batch: left out where that is known on
-    the host; elsewhere, those this micro-step gave none (all, for
-    `flush`) are left out at run time by the backend, if it can
-    (`Backend.masks_each`).
+    The update involves only the variables that took part in the cycle,
+    as the large batch's: decided here where that is known on the host;
+    elsewhere, those that did not take part in this micro-step (all, for
+    `flush`: `took_part` is None) are left out at run time by the
+    backend, if it can (`Backend.masks_each`).
     """
     backend, state = core.backend, core.state
-    included = state.taking_part()
-    known = state.position.took_part()
-    if known is not None:
-        included = [i for i in included if i in known]
-    state.check_left_out(ends)
+    in_update = state.may_take_part()
+    in_cycle = state.position.took_part()
+    if in_cycle is not None:
+        in_update = [i for i in in_update if i in in_cycle]
+    state.check_never_took_part(ends)
     conditions = {}
-    maybe = [k for k, i in enumerate(included) if given is None or i not in given]
-    if maybe and known is None:
-        if state.touched is not None and backend.masks_each(core.family):
-            conditions = {k: state.position.took_part_in_cycle(included[k]) for k in maybe}
-        elif state.touched is not None and backend.known(ends):  # eager: read which took part
-            flags = backend.saved(state.touched, False)
-            included = [i for k, i in enumerate(included) if k not in maybe or flags[i] > 0]
-        elif given is not None:  # traced on JAX, or a tf_keras optimizer
-            _warn_untouched(core, [state.variables[included[k]] for k in maybe])
+    undecided = [k for k, i in enumerate(in_update) if took_part is None or i not in took_part]
+    if undecided and in_cycle is None:
+        if state.took_part is not None and backend.masks_each(core.family):
+            conditions = {k: state.position.took_part_in_cycle(in_update[k]) for k in undecided}
+        elif state.took_part is not None and backend.known(ends):  # eager: read which took part
+            flags = backend.saved(state.took_part, False)
+            in_update = [i for k, i in enumerate(in_update) if k not in undecided or flags[i] > 0]
+        elif took_part is not None:  # traced on JAX, or a tf_keras optimizer
+            _warn_undecided(core, [state.variables[in_update[k]] for k in undecided])
     divisor = _divisor(core)
-    variables = [state.variables[i] for i in included]
-    kept = {k: state.kept[i] for k, i in enumerate(included) if i in state.kept}
+    variables = [state.variables[i] for i in in_update]
+    kept = {k: state.kept[i] for k, i in enumerate(in_update) if i in state.kept}
 
     # A compensated sum is `a - c` (`gradaccum._compensated`): divided here
     # in float32, not in place in bfloat16.
-    compensated = {k: state.compensations[i] for k, i in enumerate(included) if state.compensated(i)}
+    compensated = {k: state.compensations[i] for k, i in enumerate(in_update) if state.compensated(i)}
 
     def apply(values: list[Any], divisor: Any = divisor, masking: Any = None) -> None:
         # `divisor`: a skipped update's branch input on TensorFlow;
@@ -69,16 +69,16 @@ def end_cycle(core: Any, ends: Any, steps: Any, given: set[int] | None) -> None:
             grads[k] = grads[k] if sliced is None else sliced
         deliver(core, grads, variables, core.options, masking)
 
-    accumulators = [state.accumulators[i] for i in included]
+    accumulators = [state.accumulators[i] for i in in_update]
     update = Update(
         ends=ends,
         accumulators=accumulators,
-        divided=[not state.keeps_maximum(i) and not state.compensated(i) for i in included],
+        divided=[not state.keeps_maximum(i) and not state.compensated(i) for i in in_update],
         divisor=divisor,
         apply=apply,
         family=core.family,
         variables=state.variables,
-        taking_part=variables,
+        took_part=variables,
         conditions=conditions,
     )
     if state.noise is not None:
@@ -153,12 +153,12 @@ def _divisor(core: Any) -> Any:
     return ops.where(total > 0, total, ops.ones_like(total))
 
 
-def _warn_untouched(core: Any, variables: list[Any]) -> None:
-    """Warns once per optimizer that variables without a gradient in this
-    step may get an update in a cycle that gives them none."""
-    if core.warned_untouched:
+def _warn_undecided(core: Any, variables: list[Any]) -> None:
+    """Warns once per optimizer that variables that did not take part in
+    this step get an update even in a cycle they take no part in."""
+    if core.warned_undecided:
         return
-    core.warned_untouched = True
+    core.warned_undecided = True
     warnings.warn(
         f"gradaccum: variables {[variable_name(v) for v in variables]} receive no gradient in "
         "this step. Where they receive none in a whole cycle, the large batch leaves them and "

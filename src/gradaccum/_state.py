@@ -2,8 +2,8 @@
 
 `State` owns the variables gradients are accumulated for and their index,
 one accumulator per variable, the micro-step counter, the sum of the cycle's
-micro-batch weights, `n` (an int's variable), which variables take part in
-updates, and, on TensorFlow, each variable's kept slices (its cycle's
+micro-batch weights, `n` (an int's variable), which variables took part
+(see docs/ARCHITECTURE.md), and, on TensorFlow, each variable's kept slices (its cycle's
 `tf.IndexedSlices`, unless `sparse="rows"`). The backend creates the variables (`Backend.create_state`); it is
 built once the wrapped optimizer is, and grows with an optimizer that
 creates its state lazily (`OptimizerFamily.grows`). How it persists is
@@ -33,7 +33,7 @@ def _keeps_maximum(variable: Any) -> bool:
 
 
 class State:
-    """Accumulators, counters and participation for one optimizer's variables.
+    """Accumulators, counters and which variables took part, for one optimizer's variables.
 
     Args:
         backend: The backend's hooks.
@@ -60,22 +60,22 @@ class State:
         self.micro_step = created.micro_step
         self.weight_total = created.weight_total
         self.n = created.n
-        # Which variables have received a gradient in the current cycle, where
-        # the backend keeps a variable of it (`Backend.create_state`).
-        self.touched = created.touched
+        # Which variables took part in the current cycle, where the backend
+        # keeps flags of it in a variable (`Backend.create_state`).
+        self.took_part = created.took_part
         # The cycle's position and which variables took part in it, on the
         # device or on the host (`Backend.position`).
-        self.position = backend.position(self.micro_step, self.touched)
-        # Each variable's kept slices (`Backend.new_kept`), by position,
+        self.position = backend.position(self.micro_step, self.took_part)
+        # Each variable's kept slices (`KeptSlices.new_kept`), by position,
         # made when it first receives `tf.IndexedSlices` to keep (or a file
         # gives it some).
         self.kept: dict[int, Any] = {}
         # What a checkpoint's restore gave the kept slices, loaded once the
         # whole restore has been read (`gradaccum._persistence.checkpoint`).
         self.loaded_slices: dict[int, dict[str, Any]] = {}
-        # Positions of the variables that have received a gradient: they take
-        # part in every update from then on (zeros on micro-steps without one).
-        self.participants: set[int] = set()
+        # Positions of the variables that took part in some cycle so far: an
+        # update may involve only these.
+        self.took_part_ever: set[int] = set()
         # The gradient noise scale's state (`gradaccum._noise`), if measured.
         self.noise: Any = None
         # What TensorFlow checkpoints track (`gradaccum._persistence`): it
@@ -147,19 +147,19 @@ class State:
             self.compensations.extend(compensations)
 
     # ------------------------------------------------------------------
-    # Which variables take part.
+    # Which variables take part (see docs/ARCHITECTURE.md).
 
-    def taking_part(self) -> list[int]:
-        """Positions of the variables that take part, among those held."""
-        return sorted(i for i in self.participants if i < len(self.accumulators))
+    def may_take_part(self) -> list[int]:
+        """Positions of the held variables that took part in some cycle."""
+        return sorted(i for i in self.took_part_ever if i < len(self.accumulators))
 
     def unmet(self) -> list[int]:
-        """Taking part by a restore, but not met by this optimizer yet."""
-        return sorted(i for i in self.participants if i >= len(self.variables))
+        """Took part before a restore, but not met by this optimizer yet."""
+        return sorted(i for i in self.took_part_ever if i >= len(self.variables))
 
-    def left_out(self) -> list[int]:
-        """Held, but not taking part (no gradient so far)."""
-        return [i for i in range(len(self.variables)) if i not in self.participants]
+    def never_took_part(self) -> list[int]:
+        """Held, but never took part (no gradient so far)."""
+        return [i for i in range(len(self.variables)) if i not in self.took_part_ever]
 
     def check_unmet(self, ends: Any) -> None:
         """Refuses to end a cycle without restored sums it cannot hold yet.
@@ -183,22 +183,22 @@ class State:
             "the restore: `opt.build(model.trainable_variables)`."
         )
 
-    def check_left_out(self, ends: Any) -> None:
+    def check_never_took_part(self, ends: Any) -> None:
         """Refuses to drop gradients a traced step cannot see.
 
-        Which variables take part in an update is decided while a step is
-        traced, from the variables that have received gradients so far. A
+        Which variables an update may involve is decided while a step is
+        traced, from the variables that took part so far. A
         step traced before some variable first received a gradient (one
         trace per task in multi-task training) leaves it out; if it then
         runs an apply step while that variable holds accumulated gradients,
         they would be neither applied nor cleared. That fails instead, where
         the backend has run-time assertions. Eager steps see every variable.
         """
-        left_out = self.left_out()
-        if not left_out or self._backend.known(ends):
+        never = self.never_took_part()
+        if not never or self._backend.known(ends):
             return
-        held = [self.accumulators[i] for i in left_out]
-        names = [variable_name(self.variables[i]) for i in left_out]
+        held = [self.accumulators[i] for i in never]
+        names = [variable_name(self.variables[i]) for i in never]
         self._backend.tensors.assert_that(
             lambda: ops.logical_not(ops.logical_and(ends, self._backend.tensors.any_nonzero(held))),
             f"gradaccum: this traced step was traced before variables {names} first "

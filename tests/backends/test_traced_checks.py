@@ -53,8 +53,8 @@ def _state(model, opt):
             state[f"held/accumulator{i}"] = keras.ops.convert_to_numpy(accumulator)
         state["held/micro_step"] = keras.ops.convert_to_numpy(held.micro_step)
         state["held/weight_total"] = keras.ops.convert_to_numpy(held.weight_total)
-        if held.touched is not None:
-            state["held/touched"] = keras.ops.convert_to_numpy(held.touched)
+        if held.took_part is not None:
+            state["held/took_part"] = keras.ops.convert_to_numpy(held.took_part)
         for i, compensation in enumerate(held.compensations or []):
             state[f"held/compensation{i}"] = keras.ops.convert_to_numpy(compensation)
         for i, variable in enumerate(held.noise.variables() if held.noise is not None else []):

@@ -67,15 +67,15 @@ class StateVariables(NamedTuple):
         weight_total: The float32 sum of the cycle's micro-batch weights, 0.
         n: The cycle's length for an int `n` (so that setting it needs no
             new trace), or None for a schedule.
-        touched: An integer vector, whether each variable received a gradient
-            in the current cycle (1 at first), where kept in a variable; else None.
+        took_part: An integer vector, whether each variable took part in the
+            current cycle (1 at first), where kept in a variable; else None.
     """
 
     accumulators: list[Any]
     micro_step: Any
     weight_total: Any
     n: Any
-    touched: Any = None
+    took_part: Any = None
 
 
 class Update(NamedTuple):
@@ -84,7 +84,7 @@ class Update(NamedTuple):
     Attributes:
         ends: Scalar boolean: this micro-step ends the cycle (the update is
             kept only then).
-        accumulators: The accumulators of the variables taking part.
+        accumulators: The accumulators of the variables that took part in the cycle.
         divided: For each, whether the mean divides it (False for a
             maximum, see `gradaccum._core`).
         divisor: The mean's scalar divisor, or None for `"sum"`.
@@ -94,10 +94,10 @@ class Update(NamedTuple):
             TensorFlow: when the update's writes take effect).
         family: The wrapped optimizer's family.
         variables: Every variable the optimizer is built for.
-        taking_part: The variables of `accumulators`.
+        took_part: The variables of `accumulators`.
         conditions: For some of the update's variables (by position in
             `accumulators`), a function returning a scalar boolean: whether
-            the variable has received a gradient in this cycle; where it has
+            the variable took part in this cycle; where it did
             not, neither it nor its optimizer state may change (see
             `Backend.masks_each`).
     """
@@ -109,7 +109,7 @@ class Update(NamedTuple):
     apply: Callable[[list[Any]], None]
     family: Any
     variables: list[Any]
-    taking_part: list[Any] = []
+    took_part: list[Any] = []
     conditions: dict[int, Callable[[], Any]] = {}
 
 

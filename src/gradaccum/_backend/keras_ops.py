@@ -117,7 +117,7 @@ class KerasOpsBackend:
             micro_step=_variable("micro_step", (), "int32"),
             weight_total=_variable("weight_total", (), "float32"),
             n=None if n is None else _variable("n", (), "int32", n),
-            touched=_variable("touched", (len(variables),), "int32", 1),
+            took_part=_variable("touched", (len(variables),), "int32", 1),
         )
 
     def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
@@ -183,7 +183,7 @@ class KerasOpsBackend:
 
     def listed(self, state: Any) -> list[Any]:
         own = [*state.accumulators, state.micro_step, state.weight_total]
-        own += [v for v in (state.n, state.touched) if v is not None]
+        own += [v for v in (state.n, state.took_part) if v is not None]
         if state.compensations is not None:
             own += state.compensations
         if state.noise is not None:

@@ -118,7 +118,7 @@ class TorchBackend(KerasOpsBackend):
         self, family: Any, variables: Sequence[Any], n: int | None, dtype: str = "float32"
     ) -> StateVariables:
         # Which variables took part in the cycle is kept on the host.
-        return super().create_state(family, variables, n, dtype)._replace(touched=None)
+        return super().create_state(family, variables, n, dtype)._replace(took_part=None)
 
     def position(self, counter: Any, flags: Any) -> Position:
         return HostPosition(self, counter)

@@ -49,8 +49,8 @@ def checkpoint_class() -> type:
             state.accumulators = self.accumulators  # the tracked list
             self.micro_step = state.micro_step
             self.weight_total = state.weight_total
-            if state.touched is not None:
-                self.touched = state.touched
+            if state.took_part is not None:
+                self.touched = state.took_part
             self.slices = KeptSlices(core)
             if state.noise is not None:
                 self.noise = state.noise.variables()
@@ -76,7 +76,7 @@ def checkpoint_class() -> type:
             return {
                 "n": tf.constant(self._core.cycle.code, dtype=tf.int64),
                 "reduction": tf.constant(self._core.settings.reduction),
-                "seen": tf.constant(np.array([i in state.participants for i in range(len(state.accumulators))])),
+                "seen": tf.constant(np.array([i in state.took_part_ever for i in range(len(state.accumulators))])),
             }
 
         def _restore_from_tensors(self, restored_tensors: dict[str, Any]) -> Any:
@@ -85,7 +85,7 @@ def checkpoint_class() -> type:
             if tf.executing_eagerly():
                 check_settings(int(n), reduction.numpy().decode(), core.cycle.code, core.settings.reduction)
                 seen = restored_tensors["seen"].numpy()
-                core.state.participants = {int(i) for i in np.flatnonzero(seen)}
+                core.state.took_part_ever = {int(i) for i in np.flatnonzero(seen)}
                 self.restored = True
                 return tf.no_op()
             # Traced restore functions (SavedModel) check in the graph.

@@ -107,8 +107,8 @@ def snapshot(state: State, backend: Any, n: int, reduction: str) -> dict[str, np
         f"{KEY}reduction": np.asarray(_REDUCTIONS.index(reduction)),
         f"{KEY}micro_step": np.asarray(backend.saved(state.micro_step, False), np.int64),
         f"{KEY}weight_total": total if begun else np.zeros_like(total),
-        f"{KEY}seen": np.array([i in state.participants for i in range(len(state.accumulators))]),
-        f"{KEY}touched": _touched(state, backend),
+        f"{KEY}seen": np.array([i in state.took_part_ever for i in range(len(state.accumulators))]),
+        f"{KEY}touched": _took_part(state, backend),
         # Keras stores hold numbers only: UTF-8 bytes, separated by NUL.
         f"{KEY}names": np.frombuffer(names, dtype=np.uint8),
     }
@@ -134,14 +134,14 @@ def _portable(value: np.ndarray) -> np.ndarray:
     return value.astype(np.float32) if value.dtype.name == "bfloat16" else value
 
 
-def _touched(state: State, backend: Any) -> np.ndarray:
+def _took_part(state: State, backend: Any) -> np.ndarray:
     """Which variables received a gradient in the current cycle."""
-    if state.touched is not None:
-        return backend.saved(state.touched, False) > 0
+    if state.took_part is not None:
+        return backend.saved(state.took_part, False) > 0
     took_part = state.position.took_part()
     if took_part is not None:
         return np.array([i in took_part for i in range(len(state.accumulators))])
-    return np.array([i in state.participants for i in range(len(state.accumulators))])
+    return np.array([i in state.took_part_ever for i in range(len(state.accumulators))])
 
 
 def check_model(values: dict[str, np.ndarray], state: State) -> None:
@@ -216,10 +216,10 @@ def restore(state: State, backend: Any, values: dict[str, np.ndarray], sparse: s
     micro_step = int(np.asarray(values[f"{KEY}micro_step"]))
     backend.assign(state.micro_step, micro_step)
     seen = np.asarray(values[f"{KEY}seen"], dtype=bool)
-    state.participants = {i for i, j in enumerate(source) if bool(seen[j])}
-    touched = np.asarray(values[f"{KEY}touched"], dtype=bool)
-    touched = {i for i, j in enumerate(source) if touched[j]} & state.participants
-    state.position.load_took_part(touched, len(state.accumulators))
+    state.took_part_ever = {i for i, j in enumerate(source) if bool(seen[j])}
+    flags = np.asarray(values[f"{KEY}touched"], dtype=bool)
+    took_part = {i for i, j in enumerate(source) if flags[j]} & state.took_part_ever
+    state.position.load_took_part(took_part, len(state.accumulators))
     if state.noise is not None:
         # A file written without the noise scale leaves it unmeasured.
         for name, variable in zip(NOISE_NAMES, state.noise.variables()):

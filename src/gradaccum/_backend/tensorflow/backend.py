@@ -50,21 +50,21 @@ class TensorFlowBackend:
     ) -> StateVariables:
         accumulators = self.new_accumulators(family, variables, dtype)
         with distribution.creation_scope(family.strategy()):
-            touched = None
+            took_part = None
             if self.masks_each(family):
-                touched = distribution.mirrored_counter(tf.ones([len(variables)], tf.int32), name="touched")
+                took_part = distribution.mirrored_counter(tf.ones([len(variables)], tf.int32), name="touched")
             return StateVariables(
                 accumulators=accumulators,
                 micro_step=distribution.mirrored_counter(0, name="micro_step"),
                 weight_total=distribution.replica_local(tf.constant(0.0), name="weight_total"),
                 n=None if n is None else distribution.mirrored_counter(n, name="n"),
-                touched=touched,
+                took_part=took_part,
             )
 
     def masks_each(self, family: Any) -> bool:
-        """Whether an update can leave some of its variables untouched at run
-        time: for families whose every write is a variable's write method
-        and whose per-variable update synchronises nothing (Keras 3)."""
+        """Whether an update can leave out at run time its variables that did
+        not take part: for families whose every write is a variable's write
+        method and whose per-variable update synchronises nothing (Keras 3)."""
         return family.masks_writes and family.per_variable_update is not None
 
     def new_accumulators(self, family: Any, variables: Sequence[Any], dtype: str = "float32") -> list[Any]:
