@@ -184,6 +184,23 @@ def test_optimizer_overriding_the_update_leaves_variables_without_gradients_alon
     assert_states_close(large, {k: v for k, v in subject.items() if k in large})
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_ema_average_of_a_variable_without_gradients_warns_where_updated_by_snapshot(mode):
+    """Nadam's update runs whole there: the average of a variable without a
+    gradient in the cycle is computed from the variable as updated with the
+    gradient 0, so it differs from the large batch's, and the warning names
+    it."""
+    variables = [keras.Variable(np.ones((2, 2), "float32"), name=name) for name in ("used", "idle")]
+    opt = accumulate(keras.optimizers.Nadam(1e-1, use_ema=True), N, mode=mode)
+    opt.build(variables)
+    grads = [tf.ones((2, 2)), tf.ones((2, 2))]
+    for _ in range(N):
+        opt.apply(grads, variables)
+    with pytest.warns(UserWarning, match="idle_average"):
+        for _ in range(N):
+            opt.apply([grads[0], None], variables)
+
+
 # ----------------------------------------------------------------------
 # An eager update that raises leaves the accumulators as they were.
 

@@ -125,13 +125,13 @@ class Keras3Family(FamilyBase):
     def unattributed_state(self) -> list[tf.Variable]:
         """Optimizer state that may belong to one variable but that `slots`
         attributes to none: every state variable that is not a scalar (the
-        optimizer's own counters and products, as Nadam's, are), a slot, nor
-        an EMA average."""
+        optimizer's own counters and products, as Nadam's, are) nor a slot.
+        EMA's averages among them: each moves in every update, computed
+        from its variable's new value, which an update that runs for a
+        variable without a gradient has moved."""
         from gradaccum._backend.tensorflow import distribution
 
         known = {id(distribution.tf_variable(s)) for slots in self._slot_lists() for s in slots if s is not None}
-        averages = getattr(self.optimizer, "_model_variables_moving_average", None) or ()
-        known |= {id(distribution.tf_variable(v)) for v in averages}
         return [v for v in self.state_variables() if id(v) not in known and v.shape.rank != 0]
 
     def _slot_lists(self) -> list[list[Any]]:

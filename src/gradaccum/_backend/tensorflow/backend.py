@@ -335,14 +335,17 @@ def _owned(update: Update, conditions: dict[int, tf.Tensor]) -> list[tuple[tf.Va
 
 
 def _warn_conditions(family: Any, unattributed: list[tf.Variable]) -> None:
-    what = (f"its state {[v.name for v in unattributed]}, which gradaccum cannot attribute to one variable,"
-            if unattributed else "its state, which gradaccum cannot attribute to one variable,")
+    """Warns that a snapshot update moves `unattributed` (all the optimizer's
+    state where empty) for a variable without a gradient in the cycle."""
+    what = f"its state {[v.name for v in unattributed]}" if unattributed else "its state"
     warnings.warn(
-        f"{type(family.optimizer).__name__} overrides how Keras applies an update, so gradaccum "
-        "updates it by snapshot; where a variable receives no gradient in a whole cycle, "
-        f"{what} is updated as with the gradient 0 (the large batch would leave it as it is). "
-        "Give every variable a gradient on every micro-step, or keep an optimizer's slots in "
-        "lists of one entry per variable, as Keras's optimizers do.",
+        f"{type(family.optimizer).__name__} overrides how Keras applies an update, so gradaccum runs "
+        "its update whole and then puts back the variables that received no gradient in the cycle, "
+        "and their slots (kept in lists of one entry per variable, as Keras's optimizers keep them). "
+        f"Where a variable receives no gradient in a whole cycle, {what} moves as if it had received "
+        "the gradient 0 (the large batch would leave it as it is): state kept otherwise, or EMA's "
+        "averages, which the update computes from the variables it moved. Give every variable a "
+        "gradient on every micro-step to avoid it.",
         stacklevel=2,
     )
 
