@@ -328,10 +328,10 @@ class MachineBase(RuleBasedStateMachine):
             weight = None
         if all(k == "none" for k in kinds):
             kinds = ["dense"] + list(kinds[1:])
-        if BACKEND == "tensorflow" and self.spec.family in ("Nadam", "Muon"):
-            # The documented fallback, in both modes, for an optimizer that
-            # overrides how Keras applies (docs/guides/modes.md): a variable
-            # without a gradient in the cycle gets a zero-gradient update, warned.
+        if BACKEND == "tensorflow" and self.spec.family == "Nadam" and dict(self.spec.kwargs).get("use_ema"):
+            # The documented fallback, in both modes, for EMA's averages of an
+            # optimizer updated by snapshot (docs/guides/modes.md): each moves
+            # from its variable as updated with the gradient 0, warned.
             kinds = ["dense" if k == "none" else k for k in kinds]
         rng = np.random.default_rng(seed)
         grads = []  # unscaled: (kind, dense array, rows or None)

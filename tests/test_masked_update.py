@@ -10,6 +10,7 @@ retried.
 
 import threading
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -18,7 +19,7 @@ import tensorflow as tf
 
 from gradaccum import accumulate
 from tests.helpers import MODES, assert_states_close, assert_states_equal, full_state, make_data, make_mlp
-from tests.helpers.distribute import distributed_batches
+from tests.helpers.distribute import distributed_batches, mirrored
 
 N, B, CYCLES = 2, 4, 3
 
@@ -71,14 +72,14 @@ def _decayed():
     return keras.optimizers.AdamW(1e-2, weight_decay=0.5)
 
 
-def _train(strategy, make_optimizer, n, global_batch, barrier=None, eager=False, layers=8):
+def _train(strategy, make_optimizer, n, global_batch, barrier=None, eager=False, layers=8, mode="masked"):
     """A custom loop under `strategy` (in a `tf.function` unless `eager`):
     the frozen layers have gradients in the first cycle only. Returns the
     model's and the optimizer's state."""
     x, y = make_data(B * N * CYCLES)
     with strategy.scope():
         model = _model(layers)
-        opt = make_optimizer() if n is None else accumulate(make_optimizer(), n)
+        opt = make_optimizer() if n is None else accumulate(make_optimizer(), n, mode=mode)
         opt.build(model.trainable_variables)
     used = [v for v in model.trainable_variables if "/frozen" not in v.path]
     loss_fn = keras.losses.MeanSquaredError(reduction=None)
@@ -154,6 +155,50 @@ def _in_two_threads(new_strategy, makers, eager, layers):
     if errors:
         raise errors[0]
     return results
+
+
+# Classes that override part of Keras's update, which the update cannot split
+# (under a strategy that needs merge calls): Nadam its `_backend_update_step`
+# (writing a product of every step), Muon its weight decay.
+_OVERRIDING = {
+    "nadam": lambda: keras.optimizers.Nadam(1e-2),
+    "muon": lambda: keras.optimizers.Muon(1e-2, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    "replicas, eager", [(1, False), (2, False), (2, True)], ids=["one_device", "mirrored", "mirrored_eager"]
+)
+@pytest.mark.parametrize("name", sorted(_OVERRIDING))
+def test_optimizer_overriding_the_update_leaves_variables_without_gradients_alone(name, replicas, eager, mode):
+    """The frozen layers and their slots stay as the large batch leaves
+    them, while `iterations` and Nadam's product move, with no warning."""
+    make = _OVERRIDING[name]
+    large = _train(_one_device(), make, None, B * N, layers=2)
+    strategy = mirrored() if replicas == 2 else _one_device()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        subject = _train(strategy, make, N, B, eager=eager, layers=2, mode=mode)
+    assert not [str(w.message) for w in caught if "gradaccum" in str(w.message)]
+    assert_states_close(large, {k: v for k, v in subject.items() if k in large})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ema_average_of_a_variable_without_gradients_warns_where_updated_by_snapshot(mode):
+    """Nadam's update runs whole there: the average of a variable without a
+    gradient in the cycle is computed from the variable as updated with the
+    gradient 0, so it differs from the large batch's, and the warning names
+    it."""
+    variables = [keras.Variable(np.ones((2, 2), "float32"), name=name) for name in ("used", "idle")]
+    opt = accumulate(keras.optimizers.Nadam(1e-1, use_ema=True), N, mode=mode)
+    opt.build(variables)
+    grads = [tf.ones((2, 2)), tf.ones((2, 2))]
+    for _ in range(N):
+        opt.apply(grads, variables)
+    with pytest.warns(UserWarning, match="idle_average"):
+        for _ in range(N):
+            opt.apply([grads[0], None], variables)
 
 
 # ----------------------------------------------------------------------

@@ -73,6 +73,15 @@ class OptimizerFamily(Protocol):
     def model_variable(self, variable: Any) -> tf.Variable:
         """The variable an update of `variable` writes."""
 
+    def slots(self, variable: Any) -> list[tf.Variable] | None:
+        """The optimizer state that belongs to `variable` alone (what an
+        update that leaves `variable` out leaves alone), or None where the
+        family cannot tell."""
+
+    def unattributed_state(self) -> list[tf.Variable]:
+        """Optimizer state that may belong to one variable but that `slots`
+        attributes to none."""
+
     def strategy(self) -> tf.distribute.Strategy:
         """The distribution strategy the optimizer was created under."""
 
@@ -130,6 +139,12 @@ class FamilyBase:
 
     def model_variable(self, variable: Any) -> tf.Variable:
         return variable
+
+    def slots(self, variable: Any) -> list[tf.Variable] | None:
+        return None
+
+    def unattributed_state(self) -> list[tf.Variable]:
+        return []
 
     def strategy(self) -> tf.distribute.Strategy:
         from gradaccum._backend.tensorflow import distribution

@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     import tensorflow as tf
 
 
+# The base optimizer's lists of variables that hold no variable's slots: all
+# its variables, those it is built for, and EMA's averages.
+_BASE_LISTS = ("_variables", "_trainable_variables", "_model_variables_moving_average")
+
+
 class Keras3Family(FamilyBase):
     """`keras.optimizers.Optimizer`, and Keras's `LossScaleOptimizer` around one."""
 
@@ -92,6 +97,51 @@ class Keras3Family(FamilyBase):
                 if isinstance(v, keras.Variable) and id(v) not in known:
                     known.add(id(v))
                     found.append(v)
+        return found
+
+    def slots(self, variable: Any) -> list[tf.Variable] | None:
+        """The optimizer state that belongs to `variable` alone.
+
+        Keras's optimizers keep a variable's slots in lists of one entry per
+        variable they were built for, at the variable's index
+        (`self._momentums[self._get_variable_index(variable)]`): the entry
+        of every such list among the optimizer's attributes, but the base
+        optimizer's own (all its variables, and EMA's averages, which move
+        in every update, gradient or not).
+
+        Args:
+            variable: A variable the optimizer was built for.
+
+        Returns:
+            TensorFlow variables (None on another backend).
+        """
+        if keras.config.backend() != "tensorflow":
+            return None
+        from gradaccum._backend.tensorflow import distribution
+
+        index = self.optimizer._get_variable_index(variable)
+        return [distribution.tf_variable(s[index]) for s in self._slot_lists() if s[index] is not None]
+
+    def unattributed_state(self) -> list[tf.Variable]:
+        """Optimizer state that may belong to one variable but that `slots`
+        attributes to none: every state variable that is not a scalar (the
+        optimizer's own counters and products, as Nadam's, are) nor a slot.
+        EMA's averages among them: each moves in every update, computed
+        from its variable's new value, which an update that runs for a
+        variable without a gradient has moved."""
+        from gradaccum._backend.tensorflow import distribution
+
+        known = {id(distribution.tf_variable(s)) for slots in self._slot_lists() for s in slots if s is not None}
+        return [v for v in self.state_variables() if id(v) not in known and v.shape.rank != 0]
+
+    def _slot_lists(self) -> list[list[Any]]:
+        count = len(self.optimizer._trainable_variables)
+        found = []
+        for name, value in vars(self.optimizer).items():
+            if name in _BASE_LISTS or not isinstance(value, (list, tuple)) or len(value) != count:
+                continue
+            if all(v is None or isinstance(v, keras.Variable) for v in value) and any(v is not None for v in value):
+                found.append(value)
         return found
 
     def model_variable(self, variable: Any) -> tf.Variable:

@@ -153,13 +153,15 @@ class TensorFlowBackend:
         if family.masks_writes and updates.splits(family.optimizer, strategy, bool(conditions)):
             update.apply(values, masking=updates.Masking(update.ends, conditions))
             return
-        if conditions:
-            _warn_conditions(family)
-        # Every variable the optimizer was built for, not only those in this
+        # A variable without a gradient in the cycle, and its slots, keep
+        # their values; the rest of the state moves on the apply step. Every
+        # variable the optimizer was built for, not only those in this
         # update: with `ema_overwrite_frequency` Keras overwrites all of them
         # with their moving averages, gradient or not.
+        owned = [(v, tf.logical_and(update.ends, c)) for v, c in _owned(update, conditions)]
         tracked = family.state_variables() + [family.model_variable(v) for v in update.variables]
-        updates.snapshot_update(strategy, update.ends, tracked, lambda: update.apply(values))
+        keep = owned + [(v, update.ends) for v in tracked]
+        updates.snapshot_update(strategy, keep, lambda: update.apply(values))
 
     def _skipped(self, update: Update) -> None:
         # Read here and handed to the branch: a branch that touches a
@@ -182,8 +184,11 @@ class TensorFlowBackend:
             if family.masks_writes and updates.splits(family.optimizer, family.strategy(), True):
                 update.apply(values, divisor, masking=updates.Masking(None, conditions))
                 return
-            _warn_conditions(family)
-            update.apply(values, divisor)
+            owned = _owned(update, conditions)
+            if not owned:
+                update.apply(values, divisor)
+                return
+            updates.snapshot_update(family.strategy(), owned, lambda: update.apply(values, divisor))
 
         inputs = [values] if update.divisor is None else [values, update.divisor]
         updates.skipped_update(update.ends, apply, *inputs)
@@ -225,13 +230,38 @@ def _conditions(update: Update) -> dict[int, tf.Tensor]:
     return {k: condition() if callable(condition) else condition for k, condition in update.conditions.items()}
 
 
-def _warn_conditions(family: Any) -> None:
+def _owned(update: Update, conditions: dict[int, tf.Tensor]) -> list[tuple[tf.Variable, tf.Tensor]]:
+    """Each of the update's variables with a condition, and its slots
+    (`OptimizerFamily.slots`), paired with that condition: where it does
+    not hold (no gradient in the cycle), they keep their values. Warns
+    where the family cannot attribute some of its state."""
+    family = update.family
+    owned = []
+    for k, condition in conditions.items():
+        variable = update.taking_part[k]
+        slots = family.slots(variable)
+        if slots is None:
+            _warn_conditions(family, [])
+            return []
+        owned += [(v, condition) for v in [family.model_variable(variable), *slots]]
+    unattributed = family.unattributed_state() if owned else []
+    if unattributed:
+        _warn_conditions(family, unattributed)
+    return owned
+
+
+def _warn_conditions(family: Any, unattributed: list[tf.Variable]) -> None:
+    """Warns that a snapshot update moves `unattributed` (all the optimizer's
+    state where empty) for a variable without a gradient in the cycle."""
+    what = f"its state {[v.name for v in unattributed]}" if unattributed else "its state"
     warnings.warn(
-        f"{type(family.optimizer).__name__} overrides how Keras applies an update, so under this "
-        "distribution strategy gradaccum cannot leave out of the cycle's update a variable that "
-        "received no gradient in the cycle: it is updated with the gradient 0 (the large batch "
-        "would leave it as it is). Give every variable a gradient on every micro-step, or use "
-        "one of Keras's optimizers.",
+        f"{type(family.optimizer).__name__} overrides how Keras applies an update, so gradaccum runs "
+        "its update whole and then puts back the variables that received no gradient in the cycle, "
+        "and their slots (kept in lists of one entry per variable, as Keras's optimizers keep them). "
+        f"Where a variable receives no gradient in a whole cycle, {what} moves as if it had received "
+        "the gradient 0 (the large batch would leave it as it is): state kept otherwise, or EMA's "
+        "averages, which the update computes from the variables it moved. Give every variable a "
+        "gradient on every micro-step to avoid it.",
         stacklevel=2,
     )
 

@@ -24,8 +24,10 @@ Snapshot and select (`snapshot_update`), for optimizers whose update cannot
 be split so (tf_keras's `OptimizerV2`, whose kernels are fused, and Keras 3
 optimizers that override the parts above under a strategy that needs merge
 calls): the values of every tracked variable are read before the update and
-selected after it. This keeps one copy of all of them alive until the
-select.
+selected after it, each by its own predicate, so that a variable without a
+gradient in the cycle and its slots keep their values while the rest of
+the state (`iterations`, Nadam's product) moves. This keeps one copy of all
+of them alive until the select.
 
 Skipped (`skipped_update`): the update runs only if `keep_new`. A `tf.cond`
 in replica context must not enclose a `merge_call`, and the wrapped
@@ -88,18 +90,8 @@ def skipped_update(keep_new: tf.Tensor, update: Callable[..., Any], *args: Any) 
     tf.distribute.get_replica_context().merge_call(decide, args=(keep_new, *args))
 
 
-def _unique(variables: Sequence[tf.Variable]) -> list[tf.Variable]:
-    seen: set[int] = set()
-    out = []
-    for v in variables:
-        if id(v) not in seen:
-            seen.add(id(v))
-            out.append(v)
-    return out
-
-
 # ----------------------------------------------------------------------
-# Snapshot and select: one copy of all of `state` alive during the update.
+# Snapshot and select: one copy of the selected state alive during the update.
 
 
 def _pick(var: tf.Variable, keep_new: tf.Tensor, old: tf.Tensor) -> Any:
@@ -108,19 +100,32 @@ def _pick(var: tf.Variable, keep_new: tf.Tensor, old: tf.Tensor) -> Any:
 
 def snapshot_update(
     strategy: tf.distribute.Strategy,
-    keep_new: tf.Tensor,
-    state: Sequence[tf.Variable],
+    keep: Sequence[tuple[tf.Variable, tf.Tensor]],
     update: Callable[[], Any],
 ) -> None:
-    """`masked_update` by reading all of `state` first and selecting after."""
-    state = _unique(state)
+    """Runs `update()`, then puts back each variable whose predicate is false.
+
+    Args:
+        strategy: The strategy the variables were created under.
+        keep: Pairs of a variable `update` may write and a scalar boolean
+            tensor (per replica, or one): whether the variable keeps its new
+            value. A variable named twice keeps its first predicate.
+        update: Runs the wrapped optimizer's update.
+    """
+    seen: set[int] = set()
+    state, predicates = [], []
+    for v, predicate in keep:
+        if id(v) not in seen:
+            seen.add(id(v))
+            state.append(v)
+            predicates.append(predicate)
     old = [v.read_value() for v in state]
     update()
 
-    def select_each(strategy: tf.distribute.Strategy, keep_new: Any, old: Any) -> None:
-        assign_each(strategy, state, _pick, [keep_new] * len(state), old)
+    def select_each(strategy: tf.distribute.Strategy, predicates: Any, old: Any) -> None:
+        assign_each(strategy, state, _pick, predicates, old)
 
-    in_cross_replica(strategy, select_each, keep_new, old)
+    in_cross_replica(strategy, select_each, predicates, old)
 
 
 # ----------------------------------------------------------------------
