@@ -16,14 +16,14 @@ on how its lookups form slices:
   each with the values summed over every micro-batch: its slices are
   **fixed**.
 
-In a traced step this is read off the graph (`split`), by one rule: a
-lookup's slices grow if its ids are the batch's, that is computed from the
-step's input data (its arguments, an iterator's elements, anything random;
-by value or through the batch dimension of their shape) or a constant
-spread over the step's batch dimension; every other lookup's slices
-(constants, ranges, variables, sizes of other dimensions) are fixed. A
-variable used by several lookups gets their slices concatenated; each part
-is judged on its own.
+In a traced step this is read off the graph (`split`), by one rule (stated
+in docs/guides/sparse.md): a lookup's slices grow if its ids are the
+batch's, that is computed from the step's input data (its arguments, an
+iterator's elements, anything random; by value or through the batch
+dimension of their shape) or a constant spread over the step's batch
+dimension; every other lookup's slices (constants, ranges, variables,
+sizes of other dimensions) are fixed. A variable used by several lookups
+gets their slices concatenated; each part is judged on its own.
 
 A constant is spread over the batch dimension when it spreads one value
 (a fill, a broadcast, a tile, or a constant of one value) over a shape

@@ -148,8 +148,8 @@ def unsure_warning(name: str, batch: int) -> str:
         fix = "pass sparse=\"slices\" (every variable's slices kept apart) or use micro-batches of more than one sample"
     return (
         f"gradaccum: variable {name!r} is looked up with ids that are not computed from the batch but "
-        f"spread one value over a shape whose first dimension is {batch}, the micro-batch size, and whose "
-        "further dimensions match no input: the step's graph cannot tell ids made from the batch's shape "
+        f"spread one value over a shape whose first dimension is {batch}, the micro-batch size, and that "
+        "matches no input beyond it: the step's graph cannot tell ids made from the batch's shape "
         "(`ops.zeros_like(ids[:, 0])`) from a table of its own. They are "
         f"{read}; if they are {other}: {SQUARES}. Then {fix}."
     )
