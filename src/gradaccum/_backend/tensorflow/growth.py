@@ -16,23 +16,26 @@ on how its lookups form slices:
   each with the values summed over every micro-batch: its slices are
   **fixed**.
 
-In a traced step this is read off the graph (`split`): the indices grow if
-they are computed from the step's input data (its arguments, an iterator's
-elements, anything random), by value or through the batch dimension of
-their shape; otherwise (constants, ranges, variables, sizes of other
-dimensions) they are fixed. A variable used by several lookups gets their
-slices concatenated; each part is judged on its own.
+In a traced step this is read off the graph (`split`), by one rule (stated
+in docs/guides/sparse.md): a lookup's slices grow if its ids are the
+batch's, that is computed from the step's input data (its arguments, an
+iterator's elements, anything random; by value or through the batch
+dimension of their shape) or a constant spread over the step's batch
+dimension; every other lookup's slices (constants, ranges, variables,
+sizes of other dimensions) are fixed. A variable used by several lookups
+gets their slices concatenated; each part is judged on its own.
 
-Where the step's data have a static batch size `B`, a shape taken from
-them is a constant in the graph (`ops.zeros_like(ids)` is a constant of
-shape `(B, L)`), and the constant no longer tells that it came from the
-batch. Constant ids spread over a shape whose first dimension is `B` (a
-fill, a broadcast, a tile, or a constant of one value: segment ids made
-with `zeros_like`, positions broadcast to every sample) are therefore read
-as the batch's: they grow. A table of its own (`ops.arange(T)`, relative
-positions) is not spread, whatever its size. With `B == 1` every shape's
-first dimension may be the batch's, so such ids are not told apart: they
-are kept fixed, and the part says it is `unsure` (the caller warns).
+A constant is spread over the batch dimension when it spreads one value
+(a fill, a broadcast, a tile, or a constant of one value) over a shape
+whose first dimensions are those of one of the step's inputs: where the
+data have a static batch size `B`, a shape taken from them is a constant
+in the graph (`ops.zeros_like(ids)` is a constant of shape `(B, L)`). Where
+the spread shape matches an input in two or more leading dimensions
+(segment ids from `zeros_like`, positions broadcast to every sample), that
+tells. Where it matches only in the first (a shape `(B,)`), a table of its
+own whose length merely equals `B` looks the same: the part is `unsure`
+(the caller warns) and is read as the batch's for `B > 1`, as a table's
+(a `[CLS]`-like id of shape `(1,)`) for `B == 1`.
 
 Eagerly there is no graph: `gradaccum._backend.tensorflow.kept` compares a
 cycle's index sets instead.
@@ -77,16 +80,16 @@ class Part(NamedTuple):
         values: Their values.
         indices: Their indices (int64).
         count: Their number where the graph knows it, else None.
-        unsure: Whether some of these fixed slices' ids are spread over a
-            first dimension of 1 with a micro-batch of 1: they may be the
-            batch's (see the module docstring).
+        unsure: The micro-batch size where some of these slices' ids are a
+            constant spread over an input's first dimension alone (they may
+            be the batch's or a table's, see the module docstring), else 0.
     """
 
     kind: str
     values: Any
     indices: Any
     count: int | None
-    unsure: bool = False
+    unsure: int = 0
 
 
 def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
@@ -100,11 +103,11 @@ def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
         return None
     pieces = _pieces(grad.indices)
     grows = [_depends_on_batch(p) for p in pieces]
-    batch = None if all(grows) else _micro_batch_size(indices.graph)
-    judged = [(GROWS, False) if g else _judge_constant(p, batch) for p, g in zip(pieces, grows)]
+    shapes = [] if all(grows) else _data_shapes(indices.graph)
+    judged = [(GROWS, 0) if g else _judge_constant(p, shapes) for p, g in zip(pieces, grows)]
     kinds = [kind for kind, _ in judged]
     if len(set(kinds)) == 1:
-        return [Part(kinds[0], grad.values, indices, _count(indices), any(u for _, u in judged))]
+        return [Part(kinds[0], grad.values, indices, _count(indices), max(u for _, u in judged))]
     sizes = [tf.shape(p, out_type=tf.int64)[0] for p in pieces]
     values = tf.split(grad.values, tf.stack(sizes), num=len(pieces))
     index_parts = tf.split(indices, tf.stack(sizes), num=len(pieces))
@@ -115,53 +118,62 @@ def split(grad: tf.IndexedSlices, keep_all: bool = False) -> list[Part] | None:
         count = None if None in counts else sum(counts)
         parts.append(Part(kind, tf.concat([values[k] for k in chosen], 0),
                           tf.concat([index_parts[k] for k in chosen], 0), count,
-                          any(judged[k][1] for k in chosen)))
+                          max([judged[k][1] for k in chosen], default=0)))
     return parts
 
 
-def _judge_constant(piece: tf.Tensor, batch: int | None) -> tuple[str, bool]:
+def _judge_constant(piece: tf.Tensor, shapes: list[tuple[int, ...]]) -> tuple[str, int]:
     """The kind of a lookup whose ids are not computed from the data, and
-    whether it is unsure (see `Part`), for a micro-batch of `batch`."""
-    if batch is None or not _spread(piece, batch):
-        return FIXED, False
-    return (GROWS, False) if batch > 1 else (FIXED, True)
+    its `unsure` (see `Part`), given the data's static `shapes`."""
+    batches = {shape[0] for shape in shapes}
+    batch = batches.pop() if len(batches) == 1 else None
+    spread = None if batch is None else _spread(piece, batch)
+    if spread is None:
+        return FIXED, 0
+    if len(spread) >= 2 and any(shape[:len(spread)] == spread for shape in shapes):
+        return GROWS, 0
+    return (GROWS if batch > 1 else FIXED), batch
 
 
-def _micro_batch_size(graph: Any) -> int | None:
-    """The first dimension the step's data share, where the graph knows it
-    (else None): its arguments' and an iterator's elements'."""
+def _data_shapes(graph: Any) -> list[tuple[int, ...]]:
+    """The static shapes of the step's data (its arguments and an iterator's
+    elements) whose first dimension the graph knows."""
     captured = {id(internal) for _, internal in getattr(graph, "captures", None) or []}
     data = [t for t in getattr(graph, "inputs", None) or [] if id(t) not in captured]
     data += [t for op in graph.get_operations() if op.type in _DATA_SOURCES for t in op.outputs]
-    sizes = {t.shape[0] for t in data
-             if t.dtype not in (tf.resource, tf.variant) and t.shape.rank and t.shape[0] is not None}
-    return sizes.pop() if len(sizes) == 1 else None
+    return [tuple(t.shape.as_list()) for t in data
+            if t.dtype not in (tf.resource, tf.variant) and t.shape.rank and t.shape[0] is not None]
 
 
-def _spread(ids: tf.Tensor, batch: int) -> bool:
-    """Whether constant `ids` are a value spread over a first dimension of
-    `batch` (see the module docstring), followed back through the ops that
-    keep their values (a gather's gradient flattens its ids)."""
-    stack, seen = [ids], set()
+def _spread(ids: tf.Tensor, batch: int) -> tuple[int, ...] | None:
+    """The shape constant `ids` spread one value over, where its first
+    dimension is `batch` (see the module docstring), else None, followed
+    back through the ops that keep their values (a gather's gradient
+    flattens its ids)."""
+    # Each tensor with the shape its values reach the lookup in (the
+    # outermost of first dimension `batch`, through elementwise broadcasts).
+    stack, seen = [(ids, None)], set()
     while stack:
-        t = stack.pop()
+        t, outer = stack.pop()
         if t.name in seen:
             continue
         seen.add(t.name)
         op = t.op
         if op.type in _KEEPING:
-            stack.append(op.inputs[0])
-        elif not t.shape.rank or t.shape[0] != batch:
+            stack.append((op.inputs[0], None))
             continue
-        elif op.type in _SPREADING:
-            return True
-        elif op.type == "Const":
+        if not t.shape.rank or t.shape[0] != batch:
+            continue
+        outer = outer or tuple(t.shape.as_list())
+        if op.type in _SPREADING:
+            return outer
+        if op.type == "Const":
             value = tf.get_static_value(t)
             if value is not None and (value == value.flat[0]).all():
-                return True
+                return outer
         elif op.type in _ELEMENTWISE:
-            stack.extend(op.inputs[1:] if op.type in ("SelectV2", "Select") else op.inputs)
-    return False
+            stack.extend((i, outer) for i in (op.inputs[1:] if op.type in ("SelectV2", "Select") else op.inputs))
+    return None
 
 
 def _count(tensor: Any) -> int | None:

@@ -113,7 +113,7 @@ class Kept:
                 self._add_eagerly(grad, weight, first)
             return
         if any(part.unsure for part in parts):
-            self._warn("unsure", layouts.unsure_warning(self.name))
+            self._warn("unsure", layouts.unsure_warning(self.name, max(part.unsure for part in parts)))
         xla = tensors.compiled_by_xla()
         with tf.init_scope():
             self._prepare(parts, xla)

@@ -132,15 +132,26 @@ def xla_warning(name: str, reason: str) -> str:
     )
 
 
-def unsure_warning(name: str) -> str:
+def unsure_warning(name: str, batch: int) -> str:
+    """Variable `name`'s lookup by a constant spread over an input's first
+    dimension alone, `batch` (the micro-batch size), read as the batch's
+    where `batch > 1` and as a table's where it is 1."""
+    if batch > 1:
+        read, other = ("kept apart, one slice per id of every sample, as the batch's ids",
+                       "a table's of its own whose length equals the micro-batch size, the large batch "
+                       "sums them over the cycle, one slice per index")
+        fix = ("use a micro-batch size other than that length, or look the table up with ids of another shape "
+               "(one id of shape `(1,)`, broadcast after the lookup)")
+    else:
+        read, other = ("summed over the cycle, one slice per index, as for a table added to every sample",
+                       "the batch's, the large batch keeps them apart")
+        fix = "pass sparse=\"slices\" (every variable's slices kept apart) or use micro-batches of more than one sample"
     return (
-        f"gradaccum: variable {name!r} is looked up with ids that are not computed from the batch "
-        "but fill a shape whose first dimension is 1, the micro-batch size: with micro-batches of 1 "
-        "the step's graph cannot tell ids made from the batch's shape (segment ids from "
-        "`ops.zeros_like(ids)`, positions broadcast to every sample) from a table added to every "
-        "sample. They are summed over the cycle, one slice per index, as for such a table; if they "
-        f"are the batch's, the large batch keeps them apart: {SQUARES}. Then pass sparse=\"slices\" "
-        "(every variable's slices kept apart) or use micro-batches of more than one sample."
+        f"gradaccum: variable {name!r} is looked up with ids that are not computed from the batch but "
+        f"spread one value over a shape whose first dimension is {batch}, the micro-batch size, and that "
+        "matches no input beyond it: the step's graph cannot tell ids made from the batch's shape "
+        "(`ops.zeros_like(ids[:, 0])`) from a table of its own. They are "
+        f"{read}; if they are {other}: {SQUARES}. Then {fix}."
     )
 
 
