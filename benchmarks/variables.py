@@ -17,7 +17,9 @@ reversed every other round), and times
   of `--steps` micro-steps (the time between a batch's begin and end
   callbacks, apply steps included);
 - an apply step: the median wall time of the micro-steps of that `fit`
-  that end a cycle.
+  that end a cycle;
+- the same two in CPU time of the process (all its threads), which other
+  work on a shared machine inflates less than wall time.
 
 `--mlp` times instead an MLP of ~37.8M parameters (2048-4096-4096-2048-2048,
 B=8, the same n and optimizers), where an apply step's arithmetic weighs
@@ -87,12 +89,14 @@ def one(variables: int, rounds: int, steps: int) -> dict:
         def __init__(self):
             super().__init__()
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, batch, logs=None):
             self.times.append(time.perf_counter() - self.start)
+            self.cpu.append(time.process_time() - self.start_cpu)
 
     batch = MLP_BATCH if variables == 0 else B
     width_in, width_out = (MLP[0], MLP[-1]) if variables == 0 else (WIDTH, WIDTH)
@@ -103,7 +107,8 @@ def one(variables: int, rounds: int, steps: int) -> dict:
     warm = make_model(1)
     warm.compile(optimizer=make_optimizer("masked"), loss="mse")
     warm.fit(x[: B * N, :WIDTH], y[: B * N, :WIDTH], batch_size=B, shuffle=False, verbose=0)
-    times: dict = {name: {"first_epoch_s": [], "micro_step_s": [], "apply_step_s": []} for name in VARIANTS}
+    measures = ["first_epoch_s", "micro_step_s", "apply_step_s", "micro_step_cpu_s", "apply_step_cpu_s"]
+    times: dict = {name: {m: [] for m in measures} for name in VARIANTS}
     for r in range(rounds):
         for name in rotated(VARIANTS, r):
             model = make_model(variables // 2)
@@ -115,6 +120,8 @@ def one(variables: int, rounds: int, steps: int) -> dict:
             model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[timer])
             times[name]["micro_step_s"].append(statistics.median(timer.times))
             times[name]["apply_step_s"].append(statistics.median(timer.times[N - 1 :: N]))
+            times[name]["micro_step_cpu_s"].append(statistics.median(timer.cpu))
+            times[name]["apply_step_cpu_s"].append(statistics.median(timer.cpu[N - 1 :: N]))
             del model
             gc.collect()
     return times
