@@ -1,5 +1,6 @@
 """The TensorFlow update of a cycle: nothing shared between optimizers, and
-nothing divided in place where an eager update may raise.
+nothing divided in place where an eager update may raise; on one replica,
+an in-between micro-step runs no part of the update.
 
 Two optimizers trained at the same time in two threads must each give what
 they give alone (an EMA overwrite in one must not reach the other's
@@ -8,6 +9,7 @@ leave the accumulators holding the cycle's sums, so that the step can be
 retried.
 """
 
+import collections
 import threading
 import time
 import warnings
@@ -273,3 +275,33 @@ def test_eager_update_that_raises_leaves_the_state_and_a_retry_equals_the_large_
         np.testing.assert_array_equal(held, expected)
     opt.apply_gradients(zip(last, model.trainable_variables))
     assert_states_close(full_state(ref_model, ref_opt), full_state(model, opt))
+
+
+def _ops_outside_branches(optimizer, layers):
+    """The ops a traced `fit` train step of an MLP of `layers` hidden layers
+    runs outside any branch, counted by type."""
+    model = make_mlp(widths=(4,) * layers)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = make_data(B)
+    model.fit(x, y, batch_size=B, verbose=0)
+    traced = tf.function(model.train_step).get_concrete_function((tf.constant(x), tf.constant(y)))
+    return collections.Counter(op.type for op in traced.graph.get_operations())
+
+
+def test_in_between_micro_step_on_one_replica_grows_with_the_variables_as_keras_option_does():
+    """Traced on one replica without XLA, the default mode's micro-step runs
+    outside its branches no more per variable than Keras's own
+    `gradient_accumulation_steps` (whose accumulation is one branch); the
+    sums are divided and read inside the branch taken on the apply step,
+    and the number of branches does not grow with the variables."""
+    ours = {layers: _ops_outside_branches(accumulate(keras.optimizers.Adam(1e-3), N), layers) for layers in (1, 6)}
+    reference = {
+        layers: _ops_outside_branches(keras.optimizers.Adam(1e-3, gradient_accumulation_steps=N), layers)
+        for layers in (1, 6)
+    }
+
+    def grown(counts):
+        return sum(counts[6].values()) - sum(counts[1].values())
+
+    assert grown(ours) <= grown(reference), (ours[6] - ours[1], reference[6] - reference[1])
+    assert ours[6]["If"] == ours[1]["If"]

@@ -11,7 +11,9 @@ update of the step that ends a cycle runs one of two ways (`updates`):
   `update_step`, moving averages, constraints, `iterations`) run in one
   branch, taken on the apply step. Traced, the accumulators are divided in
   place on the apply step, so the update reads them directly; eagerly,
-  into new tensors, so an update that raises leaves the sums.
+  into new tensors, so an update that raises leaves the sums. On one
+  replica without XLA, where there is nothing to synchronise, the whole
+  update (division, reads, clipping, writes) is that one branch.
 - `"skip"`: the update runs only on the apply step, decided in
   cross-replica context, so replicas all-reduce once per cycle.
 """
@@ -146,10 +148,12 @@ class TensorFlowBackend:
             self._skipped(update)
 
     def _masked(self, update: Update) -> None:
-        values = _quotients(update)
         family = update.family
-        conditions = _conditions(update)
         strategy = family.strategy()
+        if _in_one_branch(update, strategy):
+            return
+        values = _quotients(update)
+        conditions = _conditions(update)
         if family.masks_writes and updates.splits(family.optimizer, strategy, bool(conditions)):
             update.apply(values, masking=updates.Masking(update.ends, conditions))
             return
@@ -264,6 +268,42 @@ def _warn_conditions(family: Any, unattributed: list[tf.Variable]) -> None:
         "gradient on every micro-step to avoid it.",
         stacklevel=2,
     )
+
+
+def _in_one_branch(update: Update, strategy: tf.distribute.Strategy) -> bool:
+    """Runs a traced masked update of one replica, outside XLA, in one branch.
+
+    With one replica there is no all-reduce to keep out of a branch, so
+    everything of the update (the division of the sums in place, the
+    reads, unscaling, clipping and the writes) runs in one `tf.cond` taken
+    on the apply step: an in-between micro-step runs no part of it, as
+    with Keras's own `gradient_accumulation_steps`. Elsewhere (eagerly,
+    under XLA, several replicas, an update `split_apply` cannot run)
+    nothing is done.
+
+    Returns:
+        Whether the update was run so.
+    """
+    family = update.family
+    if (
+        tf.executing_eagerly()
+        or tensors.compiled_by_xla()
+        or strategy.num_replicas_in_sync > 1
+        or not tf.__internal__.distribute.strategy_supports_no_merge_call()
+        or not family.masks_writes
+        or not updates.splits(family.optimizer, strategy, bool(update.conditions))
+    ):
+        return False
+    divisor = update.divisor
+    in_place = [a for a, d in zip(update.accumulators, update.divided) if d and divisor is not None]
+
+    def run() -> None:
+        tensors.divide_in_place(in_place, divisor)
+        # Inside the branch the cycle ends: only the conditions remain.
+        update.apply(_read(update.accumulators), masking=updates.Masking(None, _conditions(update)))
+
+    tf.cond(update.ends, run, tensors.nothing)
+    return True
 
 
 def _quotients(update: Update) -> list[tf.Tensor]:

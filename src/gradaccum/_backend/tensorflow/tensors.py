@@ -242,14 +242,16 @@ def divide_if(condition: tf.Tensor, variables: Sequence[tf.Variable], divisor: t
         for v in variables:
             v.assign(select(condition, v.value() / tf.cast(divisor, v.dtype), v.value()), read_value=False)
         return
+    tf.cond(condition, lambda: divide_in_place(variables, divisor), nothing)
 
-    def divide() -> None:
-        done: list[Any] = []
-        for v in variables:
-            with tf.control_dependencies(done):
-                done = [v.assign(v.value() / tf.cast(divisor, v.dtype), read_value=False)]
 
-    tf.cond(condition, divide, nothing)
+def divide_in_place(variables: Sequence[tf.Variable], divisor: tf.Tensor) -> None:
+    """Divides each of `variables` by the scalar `divisor` in place, one
+    after the other (see `divide_if`)."""
+    done: list[Any] = []
+    for v in variables:
+        with tf.control_dependencies(done):
+            done = [v.assign(v.value() / tf.cast(divisor, v.dtype), read_value=False)]
 
 
 def zero_if(condition: tf.Tensor, variables: Sequence[tf.Variable]) -> None:
