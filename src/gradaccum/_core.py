@@ -18,7 +18,7 @@
    writes it undivided;
 5. hands the backend the cycle's update (`gradaccum._cycle_end`), which
    takes effect only if this micro-step ends the cycle and involves only
-   the variables that received a gradient in the cycle; its gradients reach
+   the variables that took part in the cycle; its gradients reach
    the wrapped optimizer clipped as one device training on the large batch
    would clip them (AGC, then, under several replicas, the optimizer's own
    clipping of the replica sum);
