@@ -18,7 +18,7 @@
    writes it undivided;
 5. hands the backend the cycle's update (`gradaccum._cycle_end`), which
    takes effect only if this micro-step ends the cycle and involves only
-   the variables that received a gradient in the cycle; its gradients reach
+   the variables that took part in the cycle; its gradients reach
    the wrapped optimizer clipped as one device training on the large batch
    would clip them (AGC, then, under several replicas, the optimizer's own
    clipping of the replica sum);
@@ -49,7 +49,7 @@ from gradaccum._cycle import Cycle
 from gradaccum._cycle_end import deliver, end_cycle
 from gradaccum._noise import Noise
 from gradaccum._settings import Settings
-from gradaccum._state import State, variable_name
+from gradaccum._state import COMPENSATED, GROUPS, MAXIMUM, SCATTERED, SLICES, SUM, State
 from gradaccum._validation import check_gradient_shapes, check_step_arguments
 from gradaccum._view import AccumulationState
 from gradaccum._weights import Weights, checked
@@ -250,42 +250,32 @@ class Core:
                 weight = ops.cast(weight, "float32")
         took_part = set()
         measured = []  # the gradients whose norm the noise scale takes: not a maximum's
-        dense: tuple[list[Any], list[Any]] = ([], [])
-        compensated: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+        # One group per way of adding (`State.group`), each one backend call.
+        groups: dict[str, tuple[list[int], list[Any]]] = {group: ([], []) for group in GROUPS}
         for g, i in zip(grads, indices):
             if g is None:
                 continue
-            accumulator = state.accumulators[i]
-            maximum = state.keeps_maximum(i)
-            if maximum:
-                # A weight scales a contribution to a mean or a sum; a
-                # maximum has none to scale.
-                backend.tensors.max_into(accumulator, g, first)
-            elif backend.gradients.is_slices(g) and self.settings.sparse != "rows":
-                kept = state.kept_for(i, self.settings.sparse == "slices")
-                self.weights.if_accepted(backend.keep_slices, kept, g, weight, first)
-            elif state.compensated(i):
-                compensated[0].append(accumulator)
-                compensated[1].append(state.compensations[i])
-                compensated[2].append(g)
-            elif backend.gradients.is_slices(g):
-                backend.scatter_into(accumulator, g, weight, first)
-            else:
-                if state.keeps_slices(i):
-                    raise ValueError(
-                        f"Variable {variable_name(state.variables[i])!r} received a dense gradient "
-                        "after tf.IndexedSlices that are kept as slices: a variable's gradients must "
-                        "be of one kind (each traced step decides it). Use sparse=\"rows\", which "
-                        "adds both kinds into one accumulator."
-                    )
-                dense[0].append(accumulator)
-                dense[1].append(g)
-            if not maximum:
+            group = state.group(i, backend.gradients.is_slices(g), self.settings.sparse)
+            groups[group][0].append(i)
+            groups[group][1].append(g)
+            if group != MAXIMUM:
                 measured.append(g)
             took_part.add(i)
             state.took_part_ever.add(i)
-        backend.tensors.add_into(*dense, weight, first)
-        _compensated.add(backend, *compensated, weight, first)
+
+        def held(group: str) -> list[Any]:
+            return [state.accumulators[i] for i in groups[group][0]]
+
+        backend.tensors.add_into(held(SUM), groups[SUM][1], weight, first)
+        # A weight scales a contribution to a mean or a sum; a maximum has none to scale.
+        backend.tensors.max_into(held(MAXIMUM), groups[MAXIMUM][1], first)
+        compensations = [state.compensations[i] for i in groups[COMPENSATED][0]]
+        _compensated.add(backend, held(COMPENSATED), compensations, groups[COMPENSATED][1], weight, first)
+        if groups[SCATTERED][0]:
+            backend.scatter_into(held(SCATTERED), groups[SCATTERED][1], weight, first)
+        if groups[SLICES][0]:
+            kept = [state.kept_for(i, self.settings.sparse == "slices") for i in groups[SLICES][0]]
+            self.weights.if_accepted(backend.keep_slices, kept, groups[SLICES][1], weight, first)
         if state.noise is not None:
             state.noise.add(measured, weight, first)
         if first is not False:  # False: a later micro-step known on the host

@@ -28,8 +28,25 @@ def variable_name(variable: Any) -> str:
     return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
 
 
-def _keeps_maximum(variable: Any) -> bool:
-    return bool(getattr(variable, "overwrite_with_gradient", False))
+# A variable's kind (`_kind`) and the groups a micro-step adds gradients in
+# (`State.group`): a sparse gradient is kept as slices, or scattered into a
+# sum's rows.
+SUM, MAXIMUM, COMPENSATED = "sum", "maximum", "compensated"
+SLICES, SCATTERED = "slices", "scattered"
+GROUPS = (SUM, MAXIMUM, COMPENSATED, SCATTERED, SLICES)
+
+
+def _kind(variable: Any, dtype: str) -> str:
+    """How `variable`'s gradients are accumulated, decided once, when the
+    state is built (or grows): `MAXIMUM`, the cycle's maximum, not a mean,
+    for Keras variables marked `overwrite_with_gradient` (a float8 layer's
+    scales and amax histories: the wrapped optimizer assigns their
+    "gradient", which is their new value; Keras marks them when it creates
+    them); `COMPENSATED`, summed with compensation, with bfloat16
+    accumulators (`dtype`); else `SUM`."""
+    if getattr(variable, "overwrite_with_gradient", False):
+        return MAXIMUM
+    return COMPENSATED if dtype == "bfloat16" else SUM
 
 
 class State:
@@ -50,8 +67,8 @@ class State:
         self._family = family
         self.variables: list[Any] = list(variables)
         self._index = {family.var_key(v): i for i, v in enumerate(self.variables)}
-        # Whether each variable keeps its cycle's maximum (`keeps_maximum`).
-        self._maxima = [_keeps_maximum(v) for v in self.variables]
+        # Each variable's kind (`_kind`), decided here, once.
+        self._kinds = [_kind(v, dtype) for v in self.variables]
         created = backend.create_state(family, self.variables, n, dtype)
         self._dtype = dtype
         self.accumulators: list[Any] = created.accumulators
@@ -139,7 +156,7 @@ class State:
         for i, v in enumerate(variables):
             self._index[self._family.var_key(v)] = start + i
         self.variables.extend(variables)
-        self._maxima.extend(_keeps_maximum(v) for v in variables)
+        self._kinds.extend(_kind(v, self._dtype) for v in variables)
         # Appended to the tracked list: checkpointed as the next positions,
         # and restored there from a checkpoint read before they existed.
         self.accumulators.extend(accumulators)
@@ -208,19 +225,39 @@ class State:
             "first), or trace this step anew (a new tf.function).",
         )
 
+    def group(self, index: int, slices: bool, sparse: str) -> str:
+        """The group (of `GROUPS`) variable `index`'s gradient is added
+        with: its kind, except that a sparse gradient (`slices`) is kept as
+        slices unless `sparse="rows"`, or else scattered into a sum's rows.
+
+        Raises:
+            ValueError: For a dense gradient of a variable that keeps slices.
+        """
+        kind = self._kinds[index]
+        if kind == MAXIMUM:
+            return MAXIMUM
+        if slices and sparse != "rows":
+            return SLICES
+        if kind == COMPENSATED:
+            return COMPENSATED
+        if slices:
+            return SCATTERED
+        if self.keeps_slices(index):
+            raise ValueError(
+                f"Variable {variable_name(self.variables[index])!r} received a dense gradient "
+                "after tf.IndexedSlices that are kept as slices: a variable's gradients must "
+                "be of one kind (each traced step decides it). Use sparse=\"rows\", which "
+                "adds both kinds into one accumulator."
+            )
+        return SUM
+
     def compensated(self, index: int) -> bool:
         """Whether variable `index` is summed with compensation."""
-        return self.compensations is not None and not self.keeps_maximum(index)
+        return self._kinds[index] == COMPENSATED
 
     def keeps_maximum(self, index: int) -> bool:
-        """Whether variable `index` takes its cycle's maximum, not a mean.
-
-        True for Keras variables marked `overwrite_with_gradient` (a float8
-        layer's scales and amax histories): the wrapped optimizer assigns
-        their "gradient", which is their new value. Keras marks them when it
-        creates them, so this is read once, when the state is built.
-        """
-        return self._maxima[index]
+        """Whether variable `index` takes its cycle's maximum (`_kind`)."""
+        return self._kinds[index] == MAXIMUM
 
     # ------------------------------------------------------------------
     # Kept slices (TensorFlow).

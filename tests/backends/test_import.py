@@ -68,3 +68,17 @@ def test_only_tensorflow_gives_the_hooks_of_kept_slices():
     from gradaccum._backend import KeptSlices, for_active
 
     assert isinstance(for_active(), KeptSlices) == (BACKEND == "tensorflow")
+
+
+def test_the_active_backend_gives_every_declared_hook():
+    """`Backend` and its groups are protocols the backends follow by
+    duck typing: each hook they declare is there, on every backend."""
+    from gradaccum import _backend
+
+    backend = _backend.for_active()
+    groups = {"": (_backend.Backend, backend), "tensors": (_backend.Tensors, backend.tensors),
+              "replicas": (_backend.Replicas, backend.replicas), "gradients": (_backend.Gradients, backend.gradients)}
+    for group, (protocol, hooks) in groups.items():
+        declared = [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]
+        assert declared, group
+        assert not [name for name in declared if not callable(getattr(hooks, name, None))], group

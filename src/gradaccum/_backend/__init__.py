@@ -1,8 +1,10 @@
 """The backend seam: the few things the core does differently per Keras backend.
 
 The core (`gradaccum._core`) decides *what* a micro-step does, once for every
-backend; a backend says *how*, through the hooks of `Backend` below. There
-are three:
+backend; a backend says *how*, through the hooks of `Backend` below, its
+groups (`Tensors`, `Replicas`, `Gradients`: one Keras-ops implementation
+each, overridden where a backend must), the optional `KeptSlices`, and the
+cycle's `position.Position`. There are three backends:
 
 - `tensorflow.TensorFlowBackend` (`tensorflow/backend.py`): TensorFlow
   variables placed for `tf.distribute` (replica-local accumulators, counters
@@ -124,9 +126,9 @@ class Tensors(Protocol):
         """`acc += weight * grad` (`grad` for `weight=None`) for each pair;
         on a cycle's first micro-step (`first`) writes it over `acc`."""
 
-    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
-        """`acc = maximum(acc, value)`, or `value` on a cycle's first
-        micro-step."""
+    def max_into(self, accumulators: Sequence[Any], values: Sequence[Any], first: Any) -> None:
+        """`acc = maximum(acc, value)` for each pair, or `value` on a
+        cycle's first micro-step."""
 
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         """`total += value`, or `value` on a cycle's first micro-step."""
@@ -317,17 +319,17 @@ class KeptSlices(Protocol):
     only where `Gradients.is_slices` said a gradient is sparse; elsewhere
     `isinstance(backend, KeptSlices)` tells whether slices can be kept."""
 
-    def scatter_into(self, accumulator: Any, grad: Any, weight: Any, first: Any) -> None:
-        """Adds the sparse `grad` (times `weight`) into the rows of
-        `accumulator`, zeroed first on a cycle's first micro-step (`first`)."""
+    def scatter_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        """Adds each sparse `grad` (times `weight`) into the rows of its
+        accumulator, zeroed first on a cycle's first micro-step (`first`)."""
 
     def new_kept(self, family: Any, variable: Any, accumulator: Any, n: Any, keep_all: bool,
                  steps: Callable[[], int]) -> Any:
         """A variable's kept slices, empty (`keep_all`: every slice grows;
         `steps`: the cycle's micro-steps so far, read eagerly)."""
 
-    def keep_slices(self, kept: Any, grad: Any, weight: Any, first: Any) -> None:
-        """Keeps the sparse `grad` (times `weight`) in `kept`."""
+    def keep_slices(self, kept: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        """Keeps each sparse `grad` (times `weight`) in its variable's `kept`."""
 
     def kept_slices(self, kept: Any, divisor: Any) -> Any:
         """The cycle's kept slices as one sparse gradient for the optimizer,

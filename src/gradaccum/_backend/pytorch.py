@@ -50,14 +50,14 @@ class TorchTensors(KerasOpsTensors):
                 # fused multiply-add (`alpha=`, `addcmul`) rounds once.
                 torch._foreach_add_(targets, torch._foreach_mul(values, weight))
 
-    def max_into(self, accumulator: Any, value: Any, first: bool) -> None:
-        target = accumulator.value
-        value = value.to(target.dtype)
+    def max_into(self, accumulators: Sequence[Any], values: Sequence[Any], first: bool) -> None:
         with torch.no_grad():
-            if first:
-                target.copy_(value)
-            else:
-                torch.maximum(target, value, out=target)
+            for target, value in zip(_values(accumulators), values):
+                value = value.to(target.dtype)
+                if first:
+                    target.copy_(value)
+                else:
+                    torch.maximum(target, value, out=target)
 
     def add_scalar(self, total: Any, value: Any, first: bool) -> None:
         target = total.value

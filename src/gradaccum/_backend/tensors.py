@@ -57,9 +57,10 @@ class KerasOpsTensors:
             else:
                 accumulator.assign(grad if bool(first) else accumulator.value + grad)
 
-    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
-        value = ops.cast(value, accumulator.dtype)
-        accumulator.assign(ops.where(first, value, ops.maximum(accumulator.value, value)))
+    def max_into(self, accumulators: Sequence[Any], values: Sequence[Any], first: Any) -> None:
+        for accumulator, value in zip(accumulators, values):
+            value = ops.cast(value, accumulator.dtype)
+            accumulator.assign(ops.where(first, value, ops.maximum(accumulator.value, value)))
 
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         value = ops.cast(value, total.dtype)

@@ -207,16 +207,18 @@ class TensorFlowBackend:
     # ------------------------------------------------------------------
     # Kept slices (`gradaccum._backend.KeptSlices`).
 
-    def scatter_into(self, accumulator: Any, grad: Any, weight: Any, first: Any) -> None:
-        tensors.scatter_into(accumulator, grad, weight, first)
+    def scatter_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        for accumulator, grad in zip(accumulators, grads):
+            tensors.scatter_into(accumulator, grad, weight, first)
 
     def new_kept(self, family: Any, variable: Any, accumulator: Any, n: Any, keep_all: bool,
                  steps: Callable[[], int]) -> Kept:
         """A variable's kept slices (`gradaccum._backend.tensorflow.kept`)."""
         return Kept(variable, accumulator, family, n, keep_all, steps)
 
-    def keep_slices(self, kept: Kept, grad: Any, weight: Any, first: Any) -> None:
-        kept.add(grad, weight, first)
+    def keep_slices(self, kept: Sequence[Kept], grads: Sequence[Any], weight: Any, first: Any) -> None:
+        for held, grad in zip(kept, grads):
+            held.add(grad, weight, first)
 
     def kept_slices(self, kept: Kept, divisor: Any) -> Any:
         return kept.read(divisor)

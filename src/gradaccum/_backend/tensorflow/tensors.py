@@ -286,8 +286,9 @@ class TensorFlowTensors:
     def add_into(self, accumulators: Sequence[Any], grads: Sequence[Any], weight: Any, first: Any) -> None:
         add_into(accumulators, grads, weight, first)
 
-    def max_into(self, accumulator: Any, value: Any, first: Any) -> None:
-        max_into(accumulator, value, first)
+    def max_into(self, accumulators: Sequence[Any], values: Sequence[Any], first: Any) -> None:
+        for accumulator, value in zip(accumulators, values):
+            max_into(accumulator, value, first)
 
     def add_scalar(self, total: Any, value: Any, first: Any) -> None:
         add_scalar(total, value, first)
