@@ -244,7 +244,7 @@ def _owned(update: Update, conditions: dict[int, tf.Tensor]) -> list[tuple[tf.Va
     family = update.family
     owned = []
     for k, condition in conditions.items():
-        variable = update.taking_part[k]
+        variable = update.took_part[k]
         slots = family.slots(variable)
         if slots is None:
             _warn_conditions(family, [])
