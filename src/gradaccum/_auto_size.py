@@ -1,0 +1,169 @@
+"""`micro_batch_size="auto"`: the search for the largest micro-batch whose train step fits.
+
+One `Search` per accumulating core holds the size the train step is traced
+with. It is chosen on the first batch of `fit` (`start`):
+
+- JAX: predicted before running, from XLA's compiled memory analysis of the
+  train step (`_backend.micro_batches.step_bytes`): the whole batch is
+  measured; if it does not fit the limit, the step split into a quarter
+  and a half of the batch, and a line through the two gives the largest
+  size under the limit. At most 3 compilations; a size below a quarter is
+  extrapolated, and the out-of-memory retry is the fallback.
+- TensorFlow and PyTorch: probed: the whole batch first.
+
+Sizes are balanced: `k` micro-batches of `ceil(B / k)` samples, the fewest
+`k` that fit (any int, not only powers of two). Where a step runs out of
+memory anyway, the same batch runs again with one micro-batch more
+(`smaller`), never fewer later. The size is logged once (logger
+`"gradaccum"`, at INFO) and read by `opt.micro_batch_size`; configs keep it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+_LOG = logging.getLogger("gradaccum")
+_SEARCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def balanced(batch: int, size: int) -> int:
+    """The smallest micro-batch that splits `batch` into as few micro-batches
+    as micro-batches of `size` do."""
+    count = math.ceil(batch / max(1, min(size, batch)))
+    return math.ceil(batch / count)
+
+
+class Search:
+    """The micro-batch size of one accumulating optimizer with `"auto"`.
+
+    Args:
+        limit: The `memory_limit` given, or None.
+        chosen: A size chosen earlier (a config's), or None.
+    """
+
+    def __init__(self, limit: int | None, chosen: int | None = None):
+        self.limit = limit
+        self.size = chosen
+        self.compilations = 0
+
+    def start(self, batch: int, measure: Callable[[int], int] | None) -> int:
+        """Chooses the size for batches of `batch` samples, where none is.
+
+        Args:
+            batch: The first batch's samples.
+            measure: The bytes of the step at a given size (one compilation
+                each), or None where the backend cannot tell (probing).
+
+        Returns:
+            The size.
+
+        Raises:
+            MemoryError: If the step does not fit even at micro-batches of 1.
+        """
+        if self.size is None:
+            size = batch if measure is None else self._predicted(batch, measure)
+            self._choose(_device().agreed(size), "predicted" if measure is not None else "probed from the batch")
+        return self.size
+
+    def smaller(self, batch: int, error: BaseException) -> int:
+        """The size after a step with `size` ran out of memory: one
+        micro-batch more for the same batch.
+
+        Raises:
+            MemoryError: If the size is 1 already, saying what the device
+                has; chained to `error`.
+        """
+        size = min(self.size or batch, batch)
+        if size <= 1:
+            raise MemoryError(
+                "micro_batch_size=\"auto\": the train step does not fit even at micro-batches of 1 sample; "
+                f"{self._has()} The device said: {error}"
+            ) from error
+        count = math.ceil(batch / size) + 1
+        while math.ceil(batch / count) >= size:
+            count += 1
+        self._choose(math.ceil(batch / count), f"after running out of memory at {size}")
+        return self.size
+
+    def _predicted(self, batch: int, measure: Callable[[int], int]) -> int:
+        limit = self.limit if self.limit is not None else _device().free_bytes()
+        if limit is None:
+            return batch
+        # The whole batch first: unsplit, it holds no accumulators.
+        top = self._measure(measure, batch)
+        if top <= limit:
+            return batch
+        if batch == 1:
+            self._refuse(top, limit)
+        # Split, the bytes grow by a constant per sample: a line through
+        # two sizes gives the largest that fits.
+        low_size, high_size = max(1, batch // 4), max(1, batch // 2)
+        low = self._measure(measure, low_size)
+        high = self._measure(measure, high_size) if high_size != low_size else low
+        if high <= limit:
+            return high_size
+        slope = (high - low) / (high_size - low_size) if high_size > low_size else 0.0
+        if slope <= 0:
+            return low_size if low <= limit else self._refuse(low, limit)
+        size = int(low_size + (limit - low) // slope)
+        if size < 1:
+            self._refuse(low - slope * (low_size - 1), limit)
+        return balanced(batch, size)
+
+    def _measure(self, measure: Callable[[int], int], size: int) -> int:
+        self.compilations += 1
+        return measure(size)
+
+    def _refuse(self, need: float, limit: int) -> Any:
+        raise MemoryError(
+            "micro_batch_size=\"auto\": the train step does not fit even at micro-batches of 1 sample: "
+            f"it needs {int(need)} bytes (XLA's memory analysis) and has {limit} bytes "
+            f"({'memory_limit' if self.limit is not None else 'free on the device'})."
+        )
+
+    def _has(self) -> str:
+        if self.limit is not None:
+            return f"memory_limit={self.limit} bytes."
+        free = _device().free_bytes()
+        return "" if free is None else f"the device has {free} bytes free."
+
+    def _choose(self, size: int, how: str) -> None:
+        if size != self.size:
+            _LOG.info("gradaccum: micro_batch_size=\"auto\" chose %d (%s).", size, how)
+        self.size = size
+
+
+def search_of(core: Any) -> Search:
+    """The search of `core` (whose `micro_batch_size` is `"auto"`)."""
+    search = _SEARCHES.get(core)
+    if search is None:
+        search = _SEARCHES[core] = Search(core.settings.memory_limit)
+    return search
+
+
+def size_of(core: Any) -> int | str | None:
+    """What `opt.micro_batch_size` reads: the setting, or with `"auto"` the
+    size chosen (`"auto"` until a step chose one)."""
+    size = core.settings.micro_batch_size
+    if size != "auto":
+        return size
+    search = _SEARCHES.get(core)
+    return "auto" if search is None or search.size is None else search.size
+
+
+def restore(core: Any, chosen: Any) -> None:
+    """Gives `core` the size a config recorded (None: nothing to restore)."""
+    if chosen is not None and core.settings.micro_batch_size == "auto":
+        search_of(core).size = int(chosen)
+
+
+def _device() -> Any:
+    # What the device tells of its memory is the backend's; imported when a
+    # search runs, as the train step's loops are.
+    from gradaccum._backend import micro_batches
+
+    return micro_batches
