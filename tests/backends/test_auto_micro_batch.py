@@ -6,6 +6,8 @@ once)."""
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -36,13 +38,18 @@ def _assert_logs_equal(ref_history, history):
 
 
 @pytest.mark.parametrize("jit", JIT)
-def test_auto_fits_the_batch_and_equals_plain_fit(jit):
+def test_auto_fits_the_batch_and_equals_plain_fit(jit, caplog):
     x, y = make_data(3 * B + 5)
-    reference, subject, ref_history, history, opt = _pair(
-        lambda o: accumulate(o, micro_batch_size="auto"), x, y, jit_compile=jit
-    )
-    # A tiny model fits whole: the chosen size is the batch's.
+    with caplog.at_level(logging.INFO, logger="gradaccum"):
+        reference, subject, ref_history, history, opt = _pair(
+            lambda o: accumulate(o, micro_batch_size="auto"), x, y, jit_compile=jit
+        )
+    # A tiny model fits whole: the chosen size is the batch's, logged once.
     assert opt.micro_batch_size == B and opt.n == 1
+    how = "predicted" if BACKEND == "jax" else "probed from the batch"
+    assert [r.getMessage() for r in caplog.records if "chose" in r.getMessage()] == [
+        f'gradaccum: micro_batch_size="auto" chose {B} ({how}).'
+    ]
     assert as_int(opt.iterations) == 4
     assert_states_close(reference, subject)
     _assert_logs_equal(ref_history, history)
@@ -67,6 +74,19 @@ def test_out_of_memory_runs_the_batch_again_smaller_and_loses_nothing(compile_kw
             lambda o: accumulate(o, micro_batch_size="auto"), x, y, **compile_kwargs
         )
     assert opt.micro_batch_size == 3
+    assert as_int(opt.iterations) == 4
+    assert_states_close(reference, subject)
+    _assert_logs_equal(ref_history, history)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras's PyTorch trainer takes steps_per_execution=1 only")
+def test_steps_per_execution_runs_each_batch_again_on_its_own():
+    x, y = make_data(3 * B + 5)
+    with out_of_memory_above(5):
+        reference, subject, ref_history, history, opt = _pair(
+            lambda o: accumulate(o, micro_batch_size="auto"), x, y, steps_per_execution=3
+        )
+    assert opt.micro_batch_size == 4
     assert as_int(opt.iterations) == 4
     assert_states_close(reference, subject)
     _assert_logs_equal(ref_history, history)
@@ -127,7 +147,7 @@ def test_memory_limit_predicts_the_largest_size_that_fits():
             x, y, batch, jit_compile=True)
 
 
-def test_config_keeps_auto_and_the_size_chosen():
+def test_config_and_files_keep_auto_and_the_size_chosen(tmp_path):
     x, y = make_data(2 * B)
     model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size="auto", memory_limit=2**30)
     assert opt.micro_batch_size == "auto" and opt.memory_limit == 2**30
@@ -138,6 +158,9 @@ def test_config_keeps_auto_and_the_size_chosen():
     assert config["config"]["micro_batch_size"] == "auto"
     again = keras.saving.deserialize_keras_object(config)
     assert again.micro_batch_size == 4 and again.memory_limit == 2**30
+    model.save(tmp_path / "model.keras")
+    loaded = keras.saving.load_model(tmp_path / "model.keras")
+    assert loaded.optimizer.micro_batch_size == 4 and loaded.optimizer.memory_limit == 2**30
 
 
 def test_accumulating_chooses_for_code_you_do_not_own():
