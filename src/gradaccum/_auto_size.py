@@ -11,10 +11,10 @@ with. It is chosen on the first batch of `fit` (`start`):
   extrapolated, and the out-of-memory retry is the fallback.
 - TensorFlow and PyTorch: probed: the whole batch first.
 
-Sizes are balanced: `k` micro-batches of `ceil(B / k)` samples, the fewest
-`k` that fit (any int, not only powers of two). Where a step runs out of
-memory anyway, the same batch runs again with one micro-batch more
-(`smaller`), never fewer later. The size is logged once (logger
+Sizes are balanced (`balanced`): the fewest micro-batches `k` that fit and
+divide the batch (any int, not only powers of two), else `ceil(B / k)` with
+a ragged last one. Where a step runs out of memory anyway, the same batch
+runs again with more micro-batches (`smaller`), never fewer later. The size is logged once (logger
 `"gradaccum"`, at INFO) and read by `opt.micro_batch_size`; configs keep it.
 """
 
@@ -31,10 +31,15 @@ _SEARCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def balanced(batch: int, size: int) -> int:
-    """The smallest micro-batch that splits `batch` into as few micro-batches
-    as micro-batches of `size` do."""
-    count = math.ceil(batch / max(1, min(size, batch)))
-    return math.ceil(batch / count)
+    """The micro-batch for `batch` samples in micro-batches of at most `size`:
+    the fewest micro-batches `k` that divide the batch, up to twice as many
+    as `size` needs (a ragged last micro-batch is a second traced body, with
+    memory of its own); else `ceil(batch / k)` for the fewest `k`."""
+    fewest = math.ceil(batch / max(1, min(size, batch)))
+    for count in range(fewest, 2 * fewest + 1):
+        if batch % count == 0:
+            return batch // count
+    return math.ceil(batch / fewest)
 
 
 class Search:
@@ -84,9 +89,9 @@ class Search:
                 f"{self._has()} The device said: {error}"
             ) from error
         count = math.ceil(batch / size) + 1
-        while math.ceil(batch / count) >= size:
+        while balanced(batch, math.ceil(batch / count)) >= size:
             count += 1
-        self._choose(math.ceil(batch / count), f"after running out of memory at {size}")
+        self._choose(balanced(batch, math.ceil(batch / count)), f"after running out of memory at {size}")
         return self.size
 
     def _predicted(self, batch: int, measure: Callable[[int], int]) -> int:
@@ -105,10 +110,10 @@ class Search:
         low = self._measure(measure, low_size)
         high = self._measure(measure, high_size) if high_size != low_size else low
         if high <= limit:
-            return high_size
+            return balanced(batch, high_size)
         slope = (high - low) / (high_size - low_size) if high_size > low_size else 0.0
         if slope <= 0:
-            return low_size if low <= limit else self._refuse(low, limit)
+            return balanced(batch, low_size) if low <= limit else self._refuse(low, limit)
         size = int(low_size + (limit - low) // slope)
         if size < 1:
             self._refuse(low - slope * (low_size - 1), limit)
