@@ -24,6 +24,7 @@ runs the same batch again with a smaller size, traced anew.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -108,6 +109,7 @@ class Retrying:
 
     def __init__(self, model: Any, core: Any, function: Callable[..., Any]):
         self.model, self.core, self.function = model, core, function
+        self.functions: dict[int, Callable[..., Any]] = {}  # a traced function per size
 
     def __call__(self, *args: Any) -> Any:
         backend = _backend.active()
@@ -139,8 +141,12 @@ class Retrying:
             search.start(batch, measure)
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
+            size = search.size
+            new = size not in self.functions
+            function = self._function_for(size)
+            start = time.perf_counter()
             try:
-                return call(self.function)
+                result = call(function)
             except Exception as error:
                 if not micro_batches.is_out_of_memory(error) or batch is None:
                     raise
@@ -152,12 +158,26 @@ class Retrying:
                     ) from error
                 if restore is not None:
                     restore()
+                self.functions.pop(size, None)
                 search.smaller(batch, error)
-                # Traced anew with the smaller size.
+                continue
+            if search.timing and not new and batch is not None:
+                micro_batches.wait(result)
+                search.timed(batch, time.perf_counter() - start)
+            return result
+
+    def _function_for(self, size: int) -> Callable[..., Any]:
+        """Keras's train function traced for micro-batches of `size`."""
+        if size not in self.functions:
+            if self.functions or self.function is None:
+                # Traced anew: Keras's function holds the size it was traced with.
                 self.model.make_train_function(force=True)
-                function = self.model.train_function
-                self.function = function.function if isinstance(function, Retrying) else function
+                made = self.model.train_function
                 self.model.train_function = self
+                self.function = made.function if isinstance(made, Retrying) else made
+            self.functions[size] = self.function
+            self.function = None
+        return self.functions[size]
 
 
 def _keep_jax_state(model: Any, state: Any) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate, accumulating
-from gradaccum._auto_size import search_of
+from gradaccum._auto_size import Search, search_of
 from gradaccum._backend.micro_batches import out_of_memory_above
 from tests.helpers import BACKEND, JIT, as_int, assert_states_close, core_of, fit, full_state, make_data, make_mlp
 
@@ -140,8 +140,10 @@ def test_memory_limit_predicts_the_largest_size_that_fits():
         lambda o: accumulate(o, micro_batch_size="auto", memory_limit=limit), x, y, batch=batch,
         make_model=_wide_model, jit_compile=True,
     )
-    assert opt.micro_batch_size == 128
-    assert search_of(core_of(opt)._self_core).compilations <= 3
+    search = search_of(core_of(opt)._self_core)
+    assert search.predicted == 128 and search.compilations <= 3
+    # The first steps time 128 and 64 (both fit); the faster stays.
+    assert opt.micro_batch_size in (128, 64)
     assert_states_close(reference, subject)
     with pytest.raises(MemoryError, match=r"needs \d+ bytes .* has 1000 bytes \(memory_limit\)"):
         fit(_wide_model(), accumulate(keras.optimizers.Adam(1e-3), micro_batch_size="auto", memory_limit=1000),
@@ -173,6 +175,27 @@ def test_accumulating_chooses_for_code_you_do_not_own():
         fit(model, keras.optimizers.Adam(1e-2), x, y, B)
     assert core_of(model.optimizer).micro_batch_size == 4
     assert_states_close(full_state(reference, ref_opt), full_state(model, model.optimizer))
+
+
+def test_the_throughput_trial_keeps_the_fastest_size_that_fits():
+    """From the size that fits, smaller sizes are timed while each is faster
+    than the one before; the fastest stays. Other batches' steps (an
+    epoch's ragged last one) do not count."""
+    search = Search(None)
+    assert search.start(512, None) == 512 and search.timing
+    search.timed(512, 0.3)
+    search.timed(100, 0.01)
+    search.timed(512, 0.2)
+    assert search.size == 256
+    search.timed(512, 0.15)
+    search.timed(512, 0.16)
+    assert search.size == 128
+    search.timed(512, 0.18)
+    search.timed(512, 0.17)
+    assert search.size == 256 and not search.timing
+    small = Search(None)
+    small.start(64, None)
+    assert not small.timing  # 32 is below the smallest size tried
 
 
 @pytest.mark.parametrize(
