@@ -46,35 +46,42 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
     core = _splitting(instance)
     if core is None:
         return wrapped(*args, **kwargs)
+    size = core.settings.micro_batch_size
+    if size == "auto" or _device().injecting():
+        data = (args[1:] if _backend.active() == "jax" else args)[:1] or [kwargs.get("data")]
+        total = _device().batch_size(data[0])
+        if size == "auto":
+            size = _auto_size.search_of(core).size or total
+            if size is None:
+                raise ValueError(
+                    "micro_batch_size=\"auto\" chooses the micro-batch in `model.fit`'s train function; "
+                    "this train step was called outside it on a batch whose size the trace does not know."
+                )
+        if _device().injecting():
+            wrapped = _injecting(wrapped, size, total)
+    return _backend.split_train_step(wrapped, args, kwargs, size, core.cycle.splitting, instance)
+
+
+def _device() -> Any:
+    # The loops and what the device tells are the backend's (imported on use).
     from gradaccum._backend import micro_batches
 
-    data = (args[1:] if _backend.active() == "jax" else args)[:1] or [kwargs.get("data")]
-    total = micro_batches.batch_size(data[0])
-    size = core.settings.micro_batch_size
-    if size == "auto":
-        size = _auto_size.search_of(core).size or total
-        if size is None:
-            raise ValueError(
-                "micro_batch_size=\"auto\" chooses the micro-batch in `model.fit`'s train function; this "
-                "train step was called outside it on a batch whose size the trace does not know."
-            )
-    if micro_batches.injecting():
-        wrapped = _injecting(wrapped, size, total)
-    return _backend.split_train_step(wrapped, args, kwargs, size, core.cycle.splitting, instance)
+    return micro_batches
 
 
 def _injecting(step: Callable[..., Any], size: int, total: Any) -> Callable[..., Any]:
     """`step`, raising the test hook's out-of-memory error on the micro-batch
     it asks for (`_backend.micro_batches.out_of_memory_above`)."""
-    from gradaccum._backend import micro_batches
-
-    count = -(-int(total) // size) if isinstance(total, int) else None
-    calls = [0]
+    known = isinstance(total, int)
+    count = -(-total // size) if known else None
+    largest = min(size, total) if known else size
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        micro_batches.raise_if_injected(size, last=calls[0] == count)
+        calls.append(None)
+        _device().raise_if_injected(largest, last=len(calls) == count)
         return step(*args, **kwargs)
+
+    calls: list[None] = []
 
     return run
 
@@ -131,8 +138,7 @@ class Retrying:
         return (logs, state) if backend == "jax" else logs
 
     def _run(self, call: Callable[[Any], Any], data: Any, state: Any = None) -> Any:
-        from gradaccum._backend import micro_batches
-
+        micro_batches = _device()
         search = _auto_size.search_of(self.core)
         batch = micro_batches.batch_size(data)
         batch = int(batch) if batch is not None else None
@@ -203,12 +209,11 @@ def _taken(iterator: Any, count: int) -> list[Any]:
 
 def _measuring(model: Any, search: Any, state: Any, data: Any) -> Callable[[int], int]:
     """The bytes of `model`'s JAX train step at a given micro-batch size."""
-    from gradaccum._backend import micro_batches
 
     def measure(size: int) -> int:
         kept, search.size = search.size, size
         try:
-            return micro_batches.step_bytes(model.train_step, state, data)
+            return _device().step_bytes(model.train_step, state, data)
         finally:
             search.size = kept
 
