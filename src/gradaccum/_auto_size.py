@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -84,6 +85,13 @@ class Search:
             MemoryError: If the step does not fit even at micro-batches of 1.
         """
         if self.size is None:
+            if measure is None and self.limit is not None:
+                warnings.warn(
+                    f"micro_batch_size=\"auto\": memory_limit={self.limit} predicts the size on JAX only; "
+                    "here the size is probed, from the whole batch down where the device runs out of memory.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             size = batch if measure is None else self._predicted(batch, measure)
             self._choose(_device().agreed(size), "predicted" if measure is not None else "probed from the batch")
             self.batch, self.predicted = batch, self.size

@@ -6,6 +6,7 @@ once)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import keras
@@ -154,7 +155,9 @@ def test_config_and_files_keep_auto_and_the_size_chosen(tmp_path):
     x, y = make_data(2 * B)
     model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size="auto", memory_limit=2**30)
     assert opt.micro_batch_size == "auto" and opt.memory_limit == 2**30
-    with out_of_memory_above(4):
+    # Where the size is probed, the limit is not used, and a warning says so.
+    probed = pytest.warns(RuntimeWarning, match="memory_limit=1073741824 predicts the size on JAX only")
+    with out_of_memory_above(4), probed if BACKEND != "jax" else contextlib.nullcontext():
         fit(model, opt, x, y, B)
     assert opt.micro_batch_size == 4
     config = keras.saving.serialize_keras_object(opt)
@@ -171,7 +174,7 @@ def test_accumulating_chooses_for_code_you_do_not_own():
     reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
     fit(reference, ref_opt, x, y, B)
     model = make_mlp()
-    with accumulating(micro_batch_size="auto", memory_limit=2**30), out_of_memory_above(5):
+    with accumulating(micro_batch_size="auto"), out_of_memory_above(5):
         fit(model, keras.optimizers.Adam(1e-2), x, y, B)
     assert core_of(model.optimizer).micro_batch_size == 4
     assert_states_close(full_state(reference, ref_opt), full_state(model, model.optimizer))
