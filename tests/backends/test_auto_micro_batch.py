@@ -7,7 +7,9 @@ once)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import pickle
 
 import keras
 import numpy as np
@@ -151,7 +153,7 @@ def test_memory_limit_predicts_the_largest_size_that_fits():
             x, y, batch, jit_compile=True)
 
 
-def test_config_and_files_keep_auto_and_the_size_chosen(tmp_path):
+def test_configs_copies_and_files_keep_auto_and_the_size_chosen(tmp_path):
     x, y = make_data(2 * B)
     model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size="auto", memory_limit=2**30)
     assert opt.micro_batch_size == "auto" and opt.memory_limit == 2**30
@@ -164,6 +166,8 @@ def test_config_and_files_keep_auto_and_the_size_chosen(tmp_path):
     assert config["config"]["micro_batch_size"] == "auto"
     again = keras.saving.deserialize_keras_object(config)
     assert again.micro_batch_size == 4 and again.memory_limit == 2**30
+    assert copy.deepcopy(opt).micro_batch_size == 4
+    assert pickle.loads(pickle.dumps(opt)).micro_batch_size == 4
     model.save(tmp_path / "model.keras")
     loaded = keras.saving.load_model(tmp_path / "model.keras")
     assert loaded.optimizer.micro_batch_size == 4 and loaded.optimizer.memory_limit == 2**30

@@ -191,14 +191,18 @@ def _from_config(config: dict[str, Any], custom_objects: Any = None) -> tuple[An
     return optimizer, Settings.from_config(settings, custom_objects)
 
 
-def _copy_of(proxy: Any, copy: Callable[[Any], Any]) -> tuple[Any, Settings]:
+def _copy_of(proxy: Any, copy: Callable[[Any], Any]) -> tuple[Any, Settings, Any]:
     """The arguments of a copy of `proxy`: `copy` of the wrapped optimizer,
-    and the settings with the current `n`."""
-    return copy(proxy.__wrapped__), proxy._self_core.settings.replace(n=proxy.n).portable()
+    the settings with the current `n`, and the size `"auto"` chose (or None)."""
+    chosen = _auto_size.size_of(proxy._self_core)
+    chosen = chosen if isinstance(chosen, int) and proxy._self_core.settings.micro_batch_size == "auto" else None
+    return copy(proxy.__wrapped__), proxy._self_core.settings.replace(n=proxy.n).portable(), chosen
 
 
-def _rebuilt(cls: type, optimizer: Any, settings: Settings) -> Any:
-    return cls._create(optimizer, settings, adopt=True)
+def _rebuilt(cls: type, optimizer: Any, settings: Settings, chosen: Any = None) -> Any:
+    rebuilt = cls._create(optimizer, settings, adopt=True)
+    _auto_size.restore(rebuilt._self_core, chosen)
+    return rebuilt
 
 
 class Persistent:
