@@ -95,7 +95,8 @@ class Search:
             size = batch if measure is None else self._predicted(batch, measure)
             self._choose(_device().agreed(size), "predicted" if measure is not None else "probed from the batch")
             self.batch, self.predicted = batch, self.size
-            if _trial(batch, self.size) is None:
+            if _trial(batch, self.size) is None or _device().several_processes():
+                # Processes would time differently and disagree on the size.
                 self.seconds = None
         return self.size
 

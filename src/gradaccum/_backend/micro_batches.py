@@ -214,17 +214,22 @@ def step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> int:
     )
 
 
+def several_processes() -> bool:
+    """Whether JAX runs several processes (each its own step)."""
+    from gradaccum._backend import active
+
+    if active() != "jax":
+        return False
+    import jax
+
+    return jax.process_count() > 1
+
+
 def agreed(size: int) -> int:
     """The smallest of the sizes that JAX's processes chose (`size` where
     there is one process), so that every process traces the same step
     before its collectives."""
-    from gradaccum._backend import active
-
-    if active() != "jax":
-        return size
-    import jax
-
-    if jax.process_count() == 1:
+    if not several_processes():
         return size
     from jax.experimental import multihost_utils
 
