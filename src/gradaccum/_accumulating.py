@@ -194,7 +194,7 @@ _PATCHES = ("keras.compile", "keras.fit", "tf_keras.compile", "tf_keras.fit")
 def accumulating(
     n: int | Callable[..., Any] | None = None,
     *,
-    micro_batch_size: int | None = None,
+    micro_batch_size: int | str | None = None,
     reduction: str | None = None,
     batch_normalization: bool = False,
     **settings: Any,
@@ -219,7 +219,8 @@ def accumulating(
         n: Micro-batches per update, across train steps (an int >= 1 or a
             schedule), as for `accumulate()`; not with `micro_batch_size`.
         micro_batch_size: Instead of `n`: the samples of one micro-batch
-            inside `model.fit`'s train step, as for `accumulate()`. Each
+            inside `model.fit`'s train step, or `"auto"` (with an optional
+            `memory_limit=` among `settings`), as for `accumulate()`. Each
             batch of the code's `fit` is then one update, computed in
             micro-batches. A model that overrides `train_step` with a step
             of its own cannot be split: its `apply_gradients` raises and

@@ -28,7 +28,8 @@ def accumulate(
     noise_scale: bool = False,
     noise_decay: float = 0.9,
     accumulator_dtype: str = "float32",
-    micro_batch_size: int | None = None,
+    micro_batch_size: int | str | None = None,
+    memory_limit: int | None = None,
 ) -> AccumulatingOptimizer | Decorator:
     """Gives an optimizer gradient accumulation over `n` micro-batches.
 
@@ -140,7 +141,16 @@ def accumulate(
             batches of `B` does (the last micro-batch may be smaller). Only
             Keras's own train step is split: `apply_gradients` called from
             an overridden `train_step` or a custom loop raises (use `n`
-            there). See docs/guides/micro-batching.md.
+            there). `"auto"`: the largest micro-batch whose step fits the
+            device's memory, predicted on JAX, probed elsewhere, and made
+            smaller (the same batch run again) where the device runs out of
+            memory; `opt.micro_batch_size` then reads the size chosen. See
+            docs/guides/micro-batching.md.
+        memory_limit: With `micro_batch_size="auto"`: the bytes the train
+            step may use on the device (variables, optimizer state,
+            accumulators and activations), an int >= 1; default (None):
+            what the device has free (on the CPU, the host's available
+            memory).
 
     Returns:
         An `AccumulatingOptimizer` around the very `optimizer` passed in, or,
@@ -148,13 +158,16 @@ def accumulate(
 
     Raises:
         TypeError: If both `n` and `micro_batch_size` are missing, `n` is
-            neither an int nor a callable, `micro_batch_size` not an int,
+            neither an int nor a callable, `micro_batch_size` neither an int
+            nor `"auto"`, `memory_limit` not an int,
             `optimizer` is not a Keras optimizer, `sparse`, `agc`, `agc_eps`
             or `agc_exclude` has the wrong type, `noise_scale` is not a
             bool, `noise_decay` not a number or `accumulator_dtype` not a
             string.
-        ValueError: If `n < 1` or above what the counters hold, `micro_batch_size < 1`, both `n`
-            and `micro_batch_size` are given, `reduction`, `mode`, `weigh_by`, `sparse` or
+        ValueError: If `n < 1` or above what the counters hold, `micro_batch_size < 1` or a
+            string other than `"auto"`, `memory_limit < 1` or given without
+            `micro_batch_size="auto"`, both `n` and `micro_batch_size` are given, `reduction`,
+            `mode`, `weigh_by`, `sparse` or
             `accumulator_dtype` is unknown, `agc` or `agc_eps` is not a
             finite number > 0, `agc_exclude` is given without `agc`,
             `noise_decay` is outside [0, 1), `noise_scale=True` or

@@ -17,7 +17,7 @@ micro-batch again equals never having failed:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gradaccum._backend import Backend
@@ -47,19 +47,42 @@ def _restored_on_failure(state: State, backend: Backend) -> Iterator[None]:
     # A snapshot: free on JAX (its arrays are never written in place), a copy
     # of the accumulators on PyTorch and TensorFlow (there made by the first
     # write after it), once per cycle, on its last micro-step only.
-    variables = [*state.accumulators, *(state.compensations or []), state.micro_step, state.weight_total]
+    restore = saved(state, backend)
+    try:
+        yield
+    except BaseException:
+        restore()
+        raise
+
+
+def saved(state: State, backend: Backend, accumulators: bool = True) -> Callable[[], None]:
+    """The accumulation state's values now, and how to put them back.
+
+    Args:
+        state: The accumulation state.
+        backend: The backend's hooks.
+        accumulators: Whether the accumulators (and their compensations)
+            are saved too; a cycle's first micro-step writes over them, so
+            a caller that puts the state back to a cycle's start can leave
+            them out.
+
+    Returns:
+        A function that writes the saved values back.
+    """
+    variables = [*state.accumulators, *(state.compensations or [])] if accumulators else []
+    variables += [state.micro_step, state.weight_total]
     variables += [v for v in (state.n, state.took_part) if v is not None]
     variables += state.noise.variables() if state.noise is not None else []
     values = [backend.snapshot(v) for v in variables]
     kept = {i: k.saved() for i, k in state.kept.items() if not getattr(k, "rows_only", False)}
     host = (set(state.took_part_ever), state.position.saved())
-    try:
-        yield
-    except BaseException:
+
+    def restore() -> None:
         for variable, value in zip(variables, values):
             backend.assign(variable, value)
-        for i, saved in kept.items():
-            state.kept[i].load(saved)
+        for i, value in kept.items():
+            state.kept[i].load(value)
         state.took_part_ever = host[0]
         state.position.restore(host[1])
-        raise
+
+    return restore

@@ -14,14 +14,21 @@ the loop over micro-batches is the backend's
 (`super().train_step(data)`) is split there. A model that overrides
 `train_step` with a step of its own is not split: its `apply_gradients`
 then raises, saying to accumulate across steps with `n` (see `Core.step`).
+
+With `micro_batch_size="auto"`, Keras's train function is wrapped too
+(`make_train_function`, `Retrying`): it hands the train step one batch at a
+time, has the size chosen on the first (`gradaccum._auto_size`), and where
+the device runs out of memory it puts back what the failed step wrote and
+runs the same batch again with a smaller size, traced anew.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
-from gradaccum import _backend, _families
+from gradaccum import _atomic, _auto_size, _backend, _families
 
 
 def _splitting(model: Any) -> Any:
@@ -39,9 +46,206 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
     core = _splitting(instance)
     if core is None:
         return wrapped(*args, **kwargs)
-    return _backend.split_train_step(
-        wrapped, args, kwargs, core.settings.micro_batch_size, core.cycle.splitting, instance
-    )
+    size = core.settings.micro_batch_size
+    if size == "auto" or _device().injecting():
+        data = (args[1:] if _backend.active() == "jax" else args)[:1] or [kwargs.get("data")]
+        total = _device().batch_size(data[0])
+        if size == "auto":
+            size = _auto_size.search_of(core).size or total
+            if size is None:
+                raise ValueError(
+                    "micro_batch_size=\"auto\" chooses the micro-batch in `model.fit`'s train function; "
+                    "this train step was called outside it on a batch whose size the trace does not know."
+                )
+        if _device().injecting():
+            wrapped = _injecting(wrapped, size, total)
+    return _backend.split_train_step(wrapped, args, kwargs, size, core.cycle.splitting, instance)
+
+
+def _device() -> Any:
+    # The loops and what the device tells are the backend's (imported on use).
+    from gradaccum._backend import micro_batches
+
+    return micro_batches
+
+
+def _injecting(step: Callable[..., Any], size: int, total: Any) -> Callable[..., Any]:
+    """`step`, raising the test hook's out-of-memory error on the micro-batch
+    it asks for (`_backend.micro_batches.out_of_memory_above`)."""
+    known = isinstance(total, int)
+    count = -(-total // size) if known else None
+    largest = min(size, total) if known else size
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        calls.append(None)
+        _device().raise_if_injected(largest, last=len(calls) == count)
+        return step(*args, **kwargs)
+
+    calls: list[None] = []
+
+    return run
+
+
+def make_train_function(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+    """Keras's `make_train_function` of the TensorFlow, JAX and PyTorch
+    trainers: for a model whose optimizer has `micro_batch_size="auto"`,
+    the train function made is wrapped in a `Retrying` one."""
+    result = wrapped(*args, **kwargs)
+    core = _families.core_in(getattr(instance, "optimizer", None))
+    function = getattr(instance, "train_function", None)
+    auto = core is not None and core.settings.micro_batch_size == "auto"
+    if auto and function is not None and not isinstance(function, Retrying):
+        instance.train_function = Retrying(instance, core, function)
+    return result
+
+
+class Retrying:
+    """Keras's train function with `micro_batch_size="auto"`: one batch at a
+    time, run again smaller where the device runs out of memory.
+
+    Keras's function takes an iterator (JAX, TensorFlow) or a list of one
+    batch (PyTorch); this one takes the batches out itself (as many as
+    `steps_per_execution` asks, each its own call), so that a batch that ran
+    out of memory is at hand to run again.
+
+    Args:
+        model: The model `fit` trains.
+        core: Its optimizer's accumulating core.
+        function: Keras's train function.
+    """
+
+    def __init__(self, model: Any, core: Any, function: Callable[..., Any]):
+        self.model, self.core, self.function = model, core, function
+        self.functions: dict[int, Callable[..., Any]] = {}  # a traced function per size
+
+    def __call__(self, *args: Any) -> Any:
+        backend = _backend.active()
+        if backend == "torch":
+            (batches,) = args
+            return self._run(lambda function: function(batches), batches[0])
+        state, iterator = args if backend == "jax" else (None, args[0])
+        logs = None
+        for data in _taken(iterator, int(getattr(self.model, "steps_per_execution", 1) or 1)):
+            # Each batch is handed over alone, in an iterator of its own.
+            if backend == "jax":
+                try:
+                    logs, state = self._run(lambda f, s=state, d=data: f(s, iter([d])), data, state)
+                except MemoryError:
+                    _keep_jax_state(self.model, state)
+                    raise
+            else:
+                logs = self._run(lambda f, d=data: f(iter([d])), data)
+        return (logs, state) if backend == "jax" else logs
+
+    def _run(self, call: Callable[[Any], Any], data: Any, state: Any = None) -> Any:
+        micro_batches = _device()
+        search = _auto_size.search_of(self.core)
+        batch = micro_batches.batch_size(data)
+        batch = int(batch) if batch is not None else None
+        if search.size is None and batch is not None:
+            measure = _measuring(self.model, search, state, data) if state is not None else None
+            search.start(batch, measure)
+        while True:
+            restore = None if state is not None else _saved(self.model, self.core)
+            size = search.size
+            new = size not in self.functions
+            function = self._function_for(size)
+            start = time.perf_counter()
+            try:
+                result = call(function)
+            except Exception as error:
+                if not micro_batches.is_out_of_memory(error) or batch is None:
+                    raise
+                if state is not None and micro_batches.donated_and_lost(state):
+                    raise RuntimeError(
+                        "micro_batch_size=\"auto\": the train step ran out of memory after JAX took its "
+                        "state (donated buffers), so it cannot be run again. Pass a smaller "
+                        "micro_batch_size=... or memory_limit=..."
+                    ) from error
+                if restore is not None:
+                    restore()
+                self.functions.pop(size, None)
+                search.smaller(batch, error)
+                continue
+            if search.timing and not new and batch is not None:
+                micro_batches.wait(result)
+                search.timed(batch, time.perf_counter() - start)
+            return result
+
+    def _function_for(self, size: int) -> Callable[..., Any]:
+        """Keras's train function traced for micro-batches of `size`."""
+        if size not in self.functions:
+            if self.functions or self.function is None:
+                # Traced anew: Keras's function holds the size it was traced with.
+                self.model.make_train_function(force=True)
+                made = self.model.train_function
+                self.model.train_function = self
+                self.function = made.function if isinstance(made, Retrying) else made
+            self.functions[size] = self.function
+            self.function = None
+        return self.functions[size]
+
+
+def _keep_jax_state(model: Any, state: Any) -> None:
+    """Writes the state of JAX's `fit` (held apart from the model's
+    variables while it runs) into the variables, as `fit` does when it ends:
+    a step that cannot run leaves the model as the last step did."""
+    names = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
+    model._jax_state = dict(zip(names, state))
+    model._jax_state_synced = False
+    model.jax_state_sync()
+
+
+def _taken(iterator: Any, count: int) -> list[Any]:
+    """Up to `count` batches of `iterator`, at least one (else StopIteration)."""
+    taken = [next(iterator)]
+    for _ in range(count - 1):
+        try:
+            taken.append(next(iterator))
+        except StopIteration:
+            break
+    return taken
+
+
+def _measuring(model: Any, search: Any, state: Any, data: Any) -> Callable[[int], int]:
+    """The bytes of `model`'s JAX train step at a given micro-batch size."""
+
+    def measure(size: int) -> int:
+        kept, search.size = search.size, size
+        try:
+            return _device().step_bytes(model.train_step, state, data)
+        finally:
+            search.size = kept
+
+    return measure
+
+
+def _saved(model: Any, core: Any) -> Callable[[], None]:
+    """What a split step writes before its update, and how to put it back:
+    the model's non-trainable variables (statistics, seeds), its metrics,
+    the optimizer's scalars (counters, a loss scale) and the accumulation's
+    counters. The accumulators are left out: a cycle's first micro-step
+    writes over them."""
+    backend = core.backend
+    if core.state is None:
+        # Built now, so that a step that fails is put back to its state.
+        core.build(model.trainable_variables)
+    variables, seen = [], set()
+    optimizer = model.optimizer
+    for v in [*model.non_trainable_variables, *model.metrics_variables,
+              *(v for v in optimizer.variables if len(v.shape) == 0)]:
+        if id(v) not in seen:
+            seen.add(id(v))
+            variables.append(v)
+    values = [backend.snapshot(v) for v in variables]
+    state = _atomic.saved(core.state, backend, accumulators=False)
+
+    def restore() -> None:
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+        state()
+
+    return restore
 
 
 def check_family(settings: Any, family: Any) -> None:
@@ -53,7 +257,7 @@ def check_family(settings: Any, family: Any) -> None:
     """
     if settings.micro_batch_size is not None and family.name != "Keras 3":
         raise ValueError(
-            f"micro_batch_size={settings.micro_batch_size} splits Keras 3's train step inside `model.fit`; "
+            f"micro_batch_size={settings.micro_batch_size!r} splits Keras 3's train step inside `model.fit`; "
             f"a {family.name} optimizer's `fit` is not split. Accumulate across steps with "
             "accumulate(optimizer, n=k) and batches of B / k."
         )

@@ -14,7 +14,9 @@ must see the wrapper, see `Patch`), and undone the same way (`Patch.remove`):
   `apply_gradients` and `apply`, which then take the micro-batch's `weight=`
   (`gradaccum._loss_scale`); the `train_step` of Keras's TensorFlow, JAX and
   PyTorch trainers, which an optimizer with a `micro_batch_size` splits into
-  micro-batches (`gradaccum._micro_batches`); `keras.optimizers.get`, which refuses
+  micro-batches, and their `make_train_function`, whose function runs a batch
+  again smaller where `micro_batch_size="auto"` runs out of memory
+  (`gradaccum._micro_batches`); `keras.optimizers.get`, which refuses
   `accumulate(n=...)` given where an optimizer belongs with gradaccum's own
   error (`gradaccum._api`); Keras's `load_weights_only`, which refuses a
   file the model's accumulating optimizer cannot take before it writes any
@@ -102,6 +104,12 @@ ACCUMULATE = (
     Spec("keras.src.backend.jax.trainer:JAXTrainer", "train_step", "gradaccum._micro_batches:train_step"),
     Spec("keras.src.backend.tensorflow.trainer:TensorFlowTrainer", "train_step",
          "gradaccum._micro_batches:train_step"),
+    Spec("keras.src.backend.jax.trainer:JAXTrainer", "make_train_function",
+         "gradaccum._micro_batches:make_train_function"),
+    Spec("keras.src.backend.tensorflow.trainer:TensorFlowTrainer", "make_train_function",
+         "gradaccum._micro_batches:make_train_function"),
+    Spec("keras.src.backend.torch.trainer:TorchTrainer", "make_train_function",
+         "gradaccum._micro_batches:make_train_function"),
     Spec("keras.src.backend.torch.trainer:TorchTrainer", "train_step", "gradaccum._micro_batches:train_step",
          traced=True),
     Spec(f"{_SAVING}:", "serialize_keras_object", "gradaccum._persistence:serialize"),

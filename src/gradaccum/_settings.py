@@ -38,8 +38,11 @@ class Settings:
         noise_decay: The decay of the moving averages of its estimates.
         accumulator_dtype: `"float32"` or `"bfloat16"` (compensated).
         micro_batch_size: None, or the samples of one micro-batch inside
-            `model.fit`'s train step (`gradaccum._micro_batches`); then `n`
-            is 1: each train step is one cycle of its own micro-batches.
+            `model.fit`'s train step (`gradaccum._micro_batches`), or
+            `"auto"` (`gradaccum._auto_size`); then `n` is 1: each train
+            step is one cycle of its own micro-batches.
+        memory_limit: With `micro_batch_size="auto"`: the bytes the train
+            step may use on the device, or None (what the device has free).
 
     Raises:
         TypeError: If a setting has the wrong type.
@@ -58,7 +61,8 @@ class Settings:
     noise_scale: bool = False
     noise_decay: float = 0.9
     accumulator_dtype: str = "float32"
-    micro_batch_size: int | None = None
+    micro_batch_size: int | str | None = None
+    memory_limit: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -83,6 +87,11 @@ class Settings:
             )
         if self.micro_batch_size is not None and self.n != 1:
             _validation.check_n_or_micro_batch_size(self.n, self.micro_batch_size)
+        if self.memory_limit is not None and self.micro_batch_size != "auto":
+            raise ValueError(
+                "`memory_limit` bounds the memory micro_batch_size=\"auto\" chooses a micro-batch for; "
+                f"Received: memory_limit={self.memory_limit!r} with micro_batch_size={self.micro_batch_size!r}."
+            )
         if self.accumulator_dtype != "float32" and self.sparse == "slices":
             raise ValueError(
                 f"accumulator_dtype={self.accumulator_dtype!r} sums dense gradients with compensation; "
@@ -156,6 +165,7 @@ _CHECKS: dict[str, Callable[[Any], Any]] = {
     "noise_decay": _validation.check_noise_decay,
     "accumulator_dtype": _validation.check_accumulator_dtype,
     "micro_batch_size": _validation.check_micro_batch_size,
+    "memory_limit": _validation.check_memory_limit,
 }
 
 
@@ -197,9 +207,17 @@ class SettingsView:
         return self._self_core.settings.agc_eps
 
     @property
-    def micro_batch_size(self) -> int | None:
-        """The samples of one micro-batch inside `model.fit`'s train step, or None."""
-        return self._self_core.settings.micro_batch_size
+    def micro_batch_size(self) -> int | str | None:
+        """The samples of one micro-batch inside `model.fit`'s train step, or
+        None; with `"auto"`, the size chosen (an int) once a step has chosen it."""
+        from gradaccum import _auto_size
+
+        return _auto_size.size_of(self._self_core)
+
+    @property
+    def memory_limit(self) -> int | None:
+        """The bytes `micro_batch_size="auto"` fits the train step into, or None."""
+        return self._self_core.settings.memory_limit
 
     @property
     def agc_exclude(self) -> Any:

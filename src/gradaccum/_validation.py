@@ -314,27 +314,36 @@ def check_gradient_shapes(grads: list[Any], variables: list[Any], devices: int =
             )
 
 
-def check_micro_batch_size(size: Any) -> int | None:
-    """Returns `micro_batch_size` (None, or an int >= 1), else raises."""
-    if size is None:
-        return None
+def check_micro_batch_size(size: Any) -> int | str | None:
+    """Returns `micro_batch_size` (None, an int >= 1 or `"auto"`), else raises."""
+    expected = (
+        "`micro_batch_size` must be an integer >= 1 (the samples of one micro-batch inside "
+        "`model.fit`'s train step) or \"auto\" (the largest micro-batch whose step fits the memory)."
+    )
+    if size is None or size == "auto":
+        return size
     if isinstance(size, str):
-        raise ValueError(
-            "`micro_batch_size` must be an integer >= 1 (the samples of one micro-batch inside "
-            f"`model.fit`'s train step); choosing it automatically is not available. Received: "
-            f"micro_batch_size={size!r}."
-        )
+        raise ValueError(f"{expected} Received: micro_batch_size={size!r}.")
     if isinstance(size, bool) or not isinstance(size, numbers.Integral):
-        raise TypeError(
-            "`micro_batch_size` must be an integer >= 1 (the samples of one micro-batch inside "
-            f"`model.fit`'s train step). Received: micro_batch_size={size!r} of type {type(size).__name__}."
-        )
+        raise TypeError(f"{expected} Received: micro_batch_size={size!r} of type {type(size).__name__}.")
     if size < 1:
-        raise ValueError(
-            "`micro_batch_size` must be an integer >= 1 (the samples of one micro-batch inside "
-            f"`model.fit`'s train step). Received: micro_batch_size={size!r}."
-        )
+        raise ValueError(f"{expected} Received: micro_batch_size={size!r}.")
     return int(size)
+
+
+def check_memory_limit(limit: Any) -> int | None:
+    """Returns `memory_limit` (None, or an int number of bytes >= 1), else raises."""
+    expected = (
+        "`memory_limit` must be an integer number of bytes >= 1 (what the train step may use on "
+        "the device, with micro_batch_size=\"auto\")."
+    )
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
+        raise TypeError(f"{expected} Received: memory_limit={limit!r} of type {type(limit).__name__}.")
+    if limit < 1:
+        raise ValueError(f"{expected} Received: memory_limit={limit!r}.")
+    return int(limit)
 
 
 def check_n_or_micro_batch_size(n: Any, micro_batch_size: Any) -> None:

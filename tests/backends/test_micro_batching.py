@@ -161,7 +161,6 @@ def test_accumulating_splits_code_you_do_not_own():
         ({"micro_batch_size": -2}, ValueError, "micro_batch_size=-2"),
         ({"micro_batch_size": 2.5}, TypeError, "micro_batch_size=2.5"),
         ({"micro_batch_size": True}, TypeError, "micro_batch_size=True"),
-        ({"micro_batch_size": "auto"}, ValueError, "not available"),
         ({"micro_batch_size": 4, "n": 2}, ValueError, "not both"),
         ({}, TypeError, "micro_batch_size"),
     ),

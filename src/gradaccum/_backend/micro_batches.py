@@ -19,10 +19,13 @@ carry their state through every micro-batch, so these are the batch's).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 from keras import tree
 
 
@@ -70,3 +73,181 @@ def split_jax(
         if rest:
             logs, state = step(state, _slice(data, full * size, total))
     return logs, state
+
+
+# What `out_of_memory_above` injects: micro-batches above this size run out
+# of memory (None: never).
+_INJECTED: dict[str, Any] = {"above": None, "measuring": False}
+
+
+@contextlib.contextmanager
+def out_of_memory_above(size: int) -> Iterator[None]:
+    """For tests: inside the block, a split train step whose micro-batches
+    are larger than `size` samples raises the active backend's own
+    out-of-memory error (see `raise_if_injected`)."""
+    _INJECTED["above"] = size
+    try:
+        yield
+    finally:
+        _INJECTED["above"] = None
+
+
+def injecting() -> bool:
+    """Whether `out_of_memory_above` is in effect."""
+    return _INJECTED["above"] is not None
+
+
+def raise_if_injected(size: int, last: bool) -> None:
+    """Raises the backend's out-of-memory error where `out_of_memory_above`
+    asks for it: where the step runs eagerly, on its last micro-batch, after
+    the others have written their gradients, metrics and statistics (as a
+    device runs out partway through a step); where it is traced, before it
+    runs (as XLA runs out allocating the step's buffers)."""
+    above = _INJECTED["above"]
+    if above is not None and size > above and (last or not _eager()) and not _INJECTED["measuring"]:
+        raise out_of_memory(f"injected: micro-batches of {size} samples do not fit, of {above} do")
+
+
+def _eager() -> bool:
+    from gradaccum._backend import active
+
+    if active() == "jax":
+        return False
+    if active() == "torch":
+        return True
+    import tensorflow as tf
+
+    return tf.executing_eagerly()
+
+
+def donated_and_lost(state: Any) -> bool:
+    """Whether a JAX step's `state` lost arrays it donated to a failed run."""
+    return any(getattr(t, "is_deleted", lambda: False)() for t in tree.flatten(state) if t is not None)
+
+
+def out_of_memory(message: str) -> BaseException:
+    """The active backend's own out-of-memory error, saying `message`."""
+    from gradaccum._backend import active
+
+    if active() == "jax":
+        import jax
+
+        return jax.errors.JaxRuntimeError(f"RESOURCE_EXHAUSTED: {message}")
+    if active() == "torch":
+        import torch
+
+        return torch.OutOfMemoryError(f"CUDA out of memory: {message}")
+    import tensorflow as tf
+
+    return tf.errors.ResourceExhaustedError(None, None, f"OOM: {message}")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is the active backend's out-of-memory error."""
+    from gradaccum._backend import active
+
+    if active() == "jax":
+        import jax
+
+        return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+    if active() == "torch":
+        import torch
+
+        return isinstance(error, torch.OutOfMemoryError)
+    import tensorflow as tf
+
+    return isinstance(error, tf.errors.ResourceExhaustedError)
+
+
+def free_bytes() -> int | None:
+    """The bytes the device that trains has free (the host's available
+    memory for the CPU), or None where the backend does not tell."""
+    from gradaccum._backend import active
+
+    stats = None
+    if active() == "jax":
+        import jax
+
+        stats = jax.local_devices()[0].memory_stats()
+        if stats and "bytes_limit" in stats:
+            return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    elif active() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info()[0])
+    elif _tensorflow_uses_a_gpu():
+        return None
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _tensorflow_uses_a_gpu() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> int:
+    """The bytes XLA's compiled JAX train step `step(state, data)` uses:
+    its arguments, outputs not aliased to them, and its temporaries
+    (`memory_analysis()` of one compilation)."""
+    import jax
+
+    def abstract(t: Any) -> Any:
+        return None if t is None else jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=getattr(t, "sharding", None))
+
+    # A prediction allocates nothing: the test hook leaves it alone.
+    _INJECTED["measuring"] = True
+    try:
+        lowered = jax.jit(step).lower(tree.map_structure(abstract, state), tree.map_structure(abstract, data))
+        memory = lowered.compile().memory_analysis()
+    finally:
+        _INJECTED["measuring"] = False
+    return int(
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+
+
+def several_processes() -> bool:
+    """Whether JAX runs several processes (each its own step)."""
+    from gradaccum._backend import active
+
+    if active() != "jax":
+        return False
+    import jax
+
+    return jax.process_count() > 1
+
+
+def agreed(size: int) -> int:
+    """The smallest of the sizes that JAX's processes chose (`size` where
+    there is one process), so that every process traces the same step
+    before its collectives."""
+    if not several_processes():
+        return size
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int32(size))))
+
+
+def wait(result: Any) -> None:
+    """Waits until the step that returned `result` has run (JAX and PyTorch
+    on a GPU return before it has)."""
+    from gradaccum._backend import active
+
+    if active() == "jax":
+        import jax
+
+        jax.block_until_ready(result)
+        return
+    if active() == "torch":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()

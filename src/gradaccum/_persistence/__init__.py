@@ -31,6 +31,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from gradaccum import _auto_size
 from gradaccum._persistence.checkpoint import CHILD, checkpoint_class
 from gradaccum._persistence.keras_files import (
     KEY,
@@ -46,6 +47,8 @@ from gradaccum._settings import Settings
 from gradaccum._state import State
 
 REGISTERED_NAME = "gradaccum>AccumulatingOptimizer"
+# The config's key of the size micro_batch_size="auto" chose.
+_CHOSEN = "chosen_micro_batch_size"
 
 
 class Saved:
@@ -145,6 +148,10 @@ def config_of(proxy: Any) -> dict[str, Any]:
     from keras.src.saving import serialization_lib
 
     config = proxy._self_core.settings.replace(n=proxy.n).to_config()
+    chosen = _auto_size.size_of(proxy._self_core)
+    if config["micro_batch_size"] == "auto" and chosen != "auto":
+        # The size `"auto"` chose: a loaded optimizer starts from it.
+        config[_CHOSEN] = chosen
     config["optimizer"] = serialization_lib.serialize_keras_object(proxy.__wrapped__)
     return {"module": "gradaccum", "class_name": "AccumulatingOptimizer", "config": config,
             "registered_name": REGISTERED_NAME}
@@ -179,19 +186,23 @@ def _from_config(config: dict[str, Any], custom_objects: Any = None) -> tuple[An
     missing = sorted({"optimizer", "n"} - set(config))
     if missing:
         raise ValueError(f"An AccumulatingOptimizer config needs {missing}. Received keys: {sorted(config)}.")
-    settings = {k: v for k, v in config.items() if k != "optimizer"}
+    settings = {k: v for k, v in config.items() if k not in ("optimizer", _CHOSEN)}
     optimizer = keras.saving.deserialize_keras_object(config["optimizer"], custom_objects=custom_objects)
     return optimizer, Settings.from_config(settings, custom_objects)
 
 
-def _copy_of(proxy: Any, copy: Callable[[Any], Any]) -> tuple[Any, Settings]:
+def _copy_of(proxy: Any, copy: Callable[[Any], Any]) -> tuple[Any, Settings, Any]:
     """The arguments of a copy of `proxy`: `copy` of the wrapped optimizer,
-    and the settings with the current `n`."""
-    return copy(proxy.__wrapped__), proxy._self_core.settings.replace(n=proxy.n).portable()
+    the settings with the current `n`, and the size `"auto"` chose (or None)."""
+    chosen = _auto_size.size_of(proxy._self_core)
+    chosen = chosen if isinstance(chosen, int) and proxy._self_core.settings.micro_batch_size == "auto" else None
+    return copy(proxy.__wrapped__), proxy._self_core.settings.replace(n=proxy.n).portable(), chosen
 
 
-def _rebuilt(cls: type, optimizer: Any, settings: Settings) -> Any:
-    return cls._create(optimizer, settings, adopt=True)
+def _rebuilt(cls: type, optimizer: Any, settings: Settings, chosen: Any = None) -> Any:
+    rebuilt = cls._create(optimizer, settings, adopt=True)
+    _auto_size.restore(rebuilt._self_core, chosen)
+    return rebuilt
 
 
 class Persistent:
@@ -254,7 +265,9 @@ class Persistent:
             ValueError: If `config` lacks `optimizer` or `n`.
         """
         optimizer, settings = _from_config(config, custom_objects)
-        return cls._create(optimizer, settings, adopt=True)
+        created = cls._create(optimizer, settings, adopt=True)
+        _auto_size.restore(created._self_core, config.get(_CHOSEN))
+        return created
 
     # `wrapt.ObjectProxy` refuses to be pickled or copied. A Keras optimizer
     # pickles through its `.keras` serialization, and copies go the same
