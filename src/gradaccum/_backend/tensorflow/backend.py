@@ -149,6 +149,13 @@ class TensorFlowBackend:
             tensors.zero_if(condition, variables)
 
     def assign(self, variable: Any, value: Any) -> None:
+        if tf.executing_eagerly() and distribution.in_replica_context():
+            # Each replica writes its own copy, without the merge call a
+            # mirrored variable's write makes: a failure in a merge call
+            # stops the replicas' later ones, which the restore of the failed
+            # step (`gradaccum._atomic`) would wait on for ever. Every replica
+            # writes a mirrored counter's same value (`mirrored_counter`).
+            variable = distribution.local_copy(variable)
         variable.assign(tf.cast(value, variable.dtype), read_value=False)
 
     def set_counter(self, variable: Any, value: int) -> None:
