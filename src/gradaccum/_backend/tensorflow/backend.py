@@ -327,15 +327,17 @@ def _owned(update: Update, conditions: dict[int, tf.Tensor]) -> list[tuple[tf.Va
     not hold (no gradient in the cycle), they keep their values. Warns
     where the family cannot attribute some of its state."""
     family = update.family
+    if not conditions:
+        return []
+    variables = [update.taking_part[k] for k in conditions]
+    slots = family.slots(variables)
+    if slots is None:
+        _warn_conditions(family, [])
+        return []
     owned = []
-    for k, condition in conditions.items():
-        variable = update.taking_part[k]
-        slots = family.slots(variable)
-        if slots is None:
-            _warn_conditions(family, [])
-            return []
-        owned += [(v, condition) for v in [family.model_variable(variable), *slots]]
-    unattributed = family.unattributed_state() if owned else []
+    for variable, own, condition in zip(variables, slots, conditions.values()):
+        owned += [(v, condition) for v in [family.model_variable(variable), *own]]
+    unattributed = family.unattributed_state()
     if unattributed:
         _warn_conditions(family, unattributed)
     return owned
