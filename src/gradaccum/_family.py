@@ -73,10 +73,10 @@ class OptimizerFamily(Protocol):
     def model_variable(self, variable: Any) -> tf.Variable:
         """The variable an update of `variable` writes."""
 
-    def slots(self, variable: Any) -> list[tf.Variable] | None:
-        """The optimizer state that belongs to `variable` alone (what an
-        update that leaves `variable` out leaves alone), or None where the
-        family cannot tell."""
+    def slots(self, variables: Sequence[Any]) -> list[list[tf.Variable]] | None:
+        """For each of `variables`, the optimizer state that belongs to it
+        alone (what an update that leaves it out leaves alone), or None
+        where the family cannot tell."""
 
     def unattributed_state(self) -> list[tf.Variable]:
         """Optimizer state that may belong to one variable but that `slots`
@@ -140,7 +140,7 @@ class FamilyBase:
     def model_variable(self, variable: Any) -> tf.Variable:
         return variable
 
-    def slots(self, variable: Any) -> list[tf.Variable] | None:
+    def slots(self, variables: Sequence[Any]) -> list[list[tf.Variable]] | None:
         return None
 
     def unattributed_state(self) -> list[tf.Variable]:

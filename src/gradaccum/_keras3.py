@@ -99,8 +99,8 @@ class Keras3Family(FamilyBase):
                     found.append(v)
         return found
 
-    def slots(self, variable: Any) -> list[tf.Variable] | None:
-        """The optimizer state that belongs to `variable` alone.
+    def slots(self, variables: Sequence[Any]) -> list[list[tf.Variable]] | None:
+        """The optimizer state that belongs to each of `variables` alone.
 
         Keras's optimizers keep a variable's slots in lists of one entry per
         variable they were built for, at the variable's index
@@ -110,17 +110,18 @@ class Keras3Family(FamilyBase):
         in every update, gradient or not).
 
         Args:
-            variable: A variable the optimizer was built for.
+            variables: Variables the optimizer was built for.
 
         Returns:
-            TensorFlow variables (None on another backend).
+            For each variable, TensorFlow variables (None on another backend).
         """
         if keras.config.backend() != "tensorflow":
             return None
         from gradaccum._backend.tensorflow import distribution
 
-        index = self.optimizer._get_variable_index(variable)
-        return [distribution.tf_variable(s[index]) for s in self._slot_lists() if s[index] is not None]
+        lists = self._slot_lists()
+        indices = [self.optimizer._get_variable_index(v) for v in variables]
+        return [[distribution.tf_variable(s[k]) for s in lists if s[k] is not None] for k in indices]
 
     def unattributed_state(self) -> list[tf.Variable]:
         """Optimizer state that may belong to one variable but that `slots`

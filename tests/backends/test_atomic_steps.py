@@ -38,10 +38,11 @@ def fail_once(optimizer) -> None:
     """Makes the next call of the (wrapped) optimizer's update raise
     `Injected`; later calls run as before."""
     inner = getattr(optimizer, "__wrapped__", optimizer)
-    # The first call of either method raises, before anything is written:
-    # `_backend_update_step` runs all variables at once (PyTorch's fused
-    # update calls nothing else), `update_step` one variable (TensorFlow's
-    # masked update calls it directly).
+    # The first call of any of these methods raises, before anything is
+    # written: `_backend_update_step` runs all variables at once (PyTorch's
+    # fused update calls nothing else), `update_step` one variable
+    # (TensorFlow's masked update calls it directly, as tf_keras's optimizer
+    # does), `_resource_apply_dense` one variable of a tf_keras OptimizerV2.
     calls = []
 
     def failing(original):
@@ -53,8 +54,9 @@ def fail_once(optimizer) -> None:
 
         return call
 
-    for name in ("_backend_update_step", "update_step"):
-        setattr(inner, name, failing(getattr(inner, name)))
+    for name in ("_backend_update_step", "update_step", "_resource_apply_dense"):
+        if hasattr(inner, name):
+            setattr(inner, name, failing(getattr(inner, name)))
 
 
 def _reference(batches, n):

@@ -12,6 +12,7 @@ import tf_keras
 
 from gradaccum import accumulate
 from gradaccum.callbacks import FlushPartialCycle, GradientNoiseScale
+from tests.backends.test_atomic_steps import Injected, fail_once
 from tests.helpers import (
     MODES,
     assert_states_close,
@@ -24,6 +25,8 @@ from tests.helpers import (
     make_embedding_model,
     make_mlp,
     split,
+    train_steps,
+    whole_state,
 )
 from tests.tf_keras.test_optimizers import LEGACY_OPTIMIZERS, OPTIMIZERS
 
@@ -358,3 +361,25 @@ def test_gradaccum_callbacks_run_in_fit(make):
     assert int(opt.iterations.numpy()) == 8 and int(opt.micro_step) == 0
     assert_states_close(full_state(reference, reference.optimizer), full_state(model, opt))
     assert len(model.history.history["noise_scale"]) == 2
+
+
+@pytest.mark.parametrize("make", BOTH_ADAM)
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_eager_apply_step_changes_nothing(make, mode):
+    """The wrapped update raises on the apply step (its first per-variable
+    update, before it writes): weights, slots, `iterations`, accumulators and
+    counters are as before, and the micro-batch retried ends as the large
+    batch."""
+    x, y = make_data(24)
+    batches = split(x, y, 4)  # two cycles of three
+    model, opt = make_mlp(), accumulate(make(), 3, mode=mode)
+    train_steps(model, opt, batches[:2], entry="apply_gradients")
+    before = whole_state(model, opt)
+    fail_once(opt)
+    with pytest.raises(Injected):
+        train_steps(model, opt, batches[2:3], entry="apply_gradients")
+    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
+    train_steps(model, opt, batches[2:], entry="apply_gradients")
+    reference, plain = make_mlp(), make()
+    train_steps(reference, plain, [(x[:12], y[:12]), (x[12:], y[12:])], entry="apply_gradients")
+    assert_states_close(full_state(reference, plain), full_state(model, opt))

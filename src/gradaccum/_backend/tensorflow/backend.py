@@ -139,6 +139,13 @@ class TensorFlowBackend:
             return distribution.replica_local(tf.constant(0.0), name=name)
 
     def assign(self, variable: Any, value: Any) -> None:
+        if tf.executing_eagerly() and distribution.in_replica_context():
+            # Each replica writes its own copy, without the merge call a
+            # mirrored variable's write makes: a failure in a merge call
+            # stops the replicas' later ones, which the restore of the failed
+            # step (`gradaccum._atomic`) would wait on for ever. Every replica
+            # writes a mirrored counter's same value (`mirrored_counter`).
+            variable = distribution.local_copy(variable)
         variable.assign(tf.cast(value, variable.dtype), read_value=False)
 
     def finish(self, update: Update, mode: str) -> None:
@@ -242,15 +249,17 @@ def _owned(update: Update, conditions: dict[int, tf.Tensor]) -> list[tuple[tf.Va
     not hold (no gradient in the cycle), they keep their values. Warns
     where the family cannot attribute some of its state."""
     family = update.family
+    if not conditions:
+        return []
+    variables = [update.took_part[k] for k in conditions]
+    slots = family.slots(variables)
+    if slots is None:
+        _warn_conditions(family, [])
+        return []
     owned = []
-    for k, condition in conditions.items():
-        variable = update.took_part[k]
-        slots = family.slots(variable)
-        if slots is None:
-            _warn_conditions(family, [])
-            return []
-        owned += [(v, condition) for v in [family.model_variable(variable), *slots]]
-    unattributed = family.unattributed_state() if owned else []
+    for variable, own, condition in zip(variables, slots, conditions.values()):
+        owned += [(v, condition) for v in [family.model_variable(variable), *own]]
+    unattributed = family.unattributed_state()
     if unattributed:
         _warn_conditions(family, unattributed)
     return owned
