@@ -283,3 +283,17 @@ def test_decorator_form():
     assert make(keras.optimizers.Adam)(1e-2).micro_batch_size == 3
     with pytest.raises(TypeError, match=r"accumulate\(keras.optimizers.Adam\(1e-3\), micro_batch_size=3\)"):
         make_mlp().compile(optimizer=make, loss="mse")
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_compiled_metrics_log_the_batch(jit):
+    """Metrics given to `compile` (built on the first micro-batch inside the
+    traced step) log the batch's values, as plain `fit` does."""
+    x, y = make_data(3 * B + 5)
+    reference, subject, ref_history, history, _ = _pair(
+        lambda: keras.optimizers.Adam(1e-2), 3, x, y, jit_compile=jit,
+        metrics=["mae", "root_mean_squared_error"],
+    )
+    assert_states_close(reference, subject)
+    for name in ("loss", "mae", "root_mean_squared_error"):
+        np.testing.assert_allclose(history[name], ref_history[name], rtol=1e-6)
