@@ -21,6 +21,10 @@ reversed every other round), and times
 - the same two in CPU time of the process (all its threads), which other
   work on a shared machine inflates less than wall time.
 
+`--reuse` builds and traces each variant once (one first epoch each) and
+times another `fit` of it every round: many more rounds per minute where
+tracing is slow (hundreds of variables).
+
 `--mlp` times instead an MLP of ~37.8M parameters (2048-4096-4096-2048-2048,
 B=8, the same n and optimizers), where an apply step's arithmetic weighs
 more than its number of variables.
@@ -78,8 +82,9 @@ def rotated(items: list, r: int) -> list:
     return out[::-1] if r % 2 else out
 
 
-def one(variables: int, rounds: int, steps: int) -> dict:
-    """Every round's times for `variables` variables (0: the MLP), in this process."""
+def one(variables: int, rounds: int, steps: int, reuse: bool = False) -> dict:
+    """Every round's times for `variables` variables (0: the MLP), in this
+    process; with `reuse`, each variant is built and traced once."""
     import gc
 
     import keras
@@ -109,13 +114,18 @@ def one(variables: int, rounds: int, steps: int) -> dict:
     warm.fit(x[: B * N, :WIDTH], y[: B * N, :WIDTH], batch_size=B, shuffle=False, verbose=0)
     measures = ["first_epoch_s", "micro_step_s", "apply_step_s", "micro_step_cpu_s", "apply_step_cpu_s"]
     times: dict = {name: {m: [] for m in measures} for name in VARIANTS}
+    models: dict = {}
     for r in range(rounds):
         for name in rotated(VARIANTS, r):
-            model = make_model(variables // 2)
-            model.compile(optimizer=make_optimizer(name), loss="mse")
-            start = time.perf_counter()
-            model.fit(x[: batch * N], y[: batch * N], batch_size=batch, shuffle=False, verbose=0)
-            times[name]["first_epoch_s"].append(time.perf_counter() - start)
+            model = models.get(name)
+            if model is None:
+                model = make_model(variables // 2)
+                model.compile(optimizer=make_optimizer(name), loss="mse")
+                start = time.perf_counter()
+                model.fit(x[: batch * N], y[: batch * N], batch_size=batch, shuffle=False, verbose=0)
+                times[name]["first_epoch_s"].append(time.perf_counter() - start)
+                if reuse:
+                    models[name] = model
             timer = Timer()
             model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[timer])
             times[name]["micro_step_s"].append(statistics.median(timer.times))
@@ -145,17 +155,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=24, help="micro-steps timed per round")
     parser.add_argument("--mlp", action="store_true", help="the 38M-parameter MLP instead of the stacks")
+    parser.add_argument("--reuse", action="store_true",
+                        help="build and trace each variant once; every round times another fit of it")
     parser.add_argument("--json", default=None)
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(one(args.one, args.rounds, args.steps)))
+        print(json.dumps(one(args.one, args.rounds, args.steps, args.reuse)))
         return
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow", CUDA_VISIBLE_DEVICES="")
     results = {}
     for variables in [0] if args.mlp else args.variables:
         command = [sys.executable, __file__, "--one", str(variables), "--rounds", str(args.rounds),
-                   "--steps", str(args.steps)]
+                   "--steps", str(args.steps)] + (["--reuse"] if args.reuse else [])
         output = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
         times = json.loads(output.strip().splitlines()[-1])
         results[variables] = times
