@@ -230,19 +230,20 @@ class Core:
                 state.check_unmet(ends)
                 with unchanged_if_raised(state, self.backend, ends):
                     given = self._add(grads, indices, weight, first)
-                    self._finish_if(ends, steps, given)
+                    if not self.cycle.deferred(given):  # else the update follows the split step's loop
+                        state.mark_touched(given, first, self.weights.accepted)
+                        self._finish_if(ends, steps, given)
 
     def _position(self, checks: list[tuple[Callable[[], Any], str]]) -> tuple[Any, Any, Any]:
-        """`(first, steps, ends)`: whether this micro-step is its cycle's
-        first, the cycle's micro-steps with it, whether it ends the cycle.
-        Python values where the backend keeps the position on the host,
-        backend tensors elsewhere. A traced `n`'s run-time checks are
-        appended to `checks`."""
+        """`(first, steps, ends)`: whether this micro-step is its cycle's first, the cycle's micro-steps
+        with it, whether it ends the cycle. Python values where the backend keeps the position on the
+        host, backend tensors elsewhere (`Cycle.index` in a split step's loop that defers its update).
+        A traced `n`'s run-time checks are appended to `checks`."""
         state, backend = self.state, self.backend
         if backend.host_counters:
             steps = state.host_micro_step + 1
             return steps == 1, steps, steps >= self.cycle.on_host(state.host_applied)
-        micro_step = backend.read(state.micro_step)
+        micro_step = backend.read(state.micro_step) if self.cycle.index is None else self.cycle.index
         steps = micro_step + 1
         return ops.equal(micro_step, 0), steps, ops.greater_equal(steps, self.current_n(checks))
 
@@ -316,7 +317,6 @@ class Core:
             missing += [c for i, c in enumerate(state.compensations or []) if i not in given]
             backend.zero_if(first, missing)
         backend.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
-        state.mark_touched(given, first, self.weights.accepted)
         return given
 
     def flush(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,19 +51,45 @@ class Cycle:
         # Whether a traced schedule's rule was warned about.
         self._warned_traced = False
         # While a train step is split into micro-batches (`splitting`): its
-        # number of micro-batches, the cycle's length for that step.
-        self.split: Any = None
+        # number of micro-batches, the cycle's length for that step; where
+        # the cycle's update is deferred, the micro-batch's index in the
+        # step's loop and the positions given a gradient so far. Each
+        # replica's own: a `tf.distribute` strategy traces each replica's
+        # step in a thread of its own.
+        self._split_step = threading.local()
+
+    split = property(lambda self: getattr(self._split_step, "split", None))
+    index = property(lambda self: getattr(self._split_step, "index", None))
+    given = property(lambda self: getattr(self._split_step, "given", None))
 
     @contextlib.contextmanager
-    def splitting(self, count: Any) -> Iterator[None]:
+    def splitting(self, count: Any, defer: bool = False) -> Iterator[None]:
         """Makes the micro-steps run within the block one cycle of `count`
         micro-batches: a Python int, or an integer tensor where the batch's
-        size is known only when the step runs (a TensorFlow graph)."""
-        self.split = count
+        size is known only when the step runs (a TensorFlow graph).
+
+        With `defer`, the micro-steps only accumulate: each runs at the
+        `index` its loop sets, and the cycle's update runs once the loop is
+        done (see `gradaccum._micro_batches`)."""
+        step = self._split_step
+        step.split, step.index, step.given = count, None, (set() if defer else None)
         try:
             yield
         finally:
-            self.split = None
+            step.split = step.index = step.given = None
+
+    def at(self, index: Any) -> None:
+        """Sets the micro-batch's index in a deferring split step's loop."""
+        self._split_step.index = None if index is None else ops.cast(index, self._backend.counter_dtype)
+
+    def deferred(self, given: set[int]) -> bool:
+        """Whether the micro-step running leaves its cycle's update to the
+        end of its split step's loop; if so, records the positions it
+        `given` a gradient, which that update takes."""
+        if self.given is None:
+            return False
+        self.given.update(given)
+        return True
 
     @property
     def value(self) -> int | Callable[[Any], Any]:

@@ -18,10 +18,15 @@ then raises, saying to accumulate across steps with `n` (see `Core.step`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from keras import ops
+
 from gradaccum import _backend, _families
+from gradaccum._atomic import unchanged_if_raised
 
 
 def _splitting(model: Any) -> Any:
@@ -40,8 +45,28 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
     if core is None:
         return wrapped(*args, **kwargs)
     return _backend.split_train_step(
-        wrapped, args, kwargs, core.settings.micro_batch_size, core.cycle.splitting, instance
+        wrapped, args, kwargs, core.settings.micro_batch_size, functools.partial(_splitting_into, core), instance
     )
+
+
+@contextlib.contextmanager
+def _splitting_into(core: Any, count: Any, defer: bool = False) -> Iterator[Callable[[Any], None]]:
+    """Runs the block's micro-steps as one cycle of `count` micro-batches.
+
+    With `defer`, they only accumulate, each at the index the loop running
+    them hands the function the block gets, and the cycle's update runs once
+    the block's loop is done: a loop whose body cannot hold the update (a
+    `tf.distribute` strategy's merge calls and all-reduce).
+    """
+    cycle = core.cycle
+    with cycle.splitting(count, defer):
+        yield cycle.at
+        if defer:
+            cycle.at(None)
+            state, ends = core.state, ops.convert_to_tensor(True)
+            state.mark_touched(cycle.given, ends)
+            with unchanged_if_raised(state, core.backend, ends):
+                core._finish_if(ends, count, cycle.given)
 
 
 def check_family(settings: Any, family: Any) -> None:

@@ -4,7 +4,12 @@ In `model.fit`'s traced step the batch's size is usually unknown (None), so
 the number of micro-batches is a tensor: a `tf.while_loop` runs Keras's
 original train step once per full micro-batch of `size` samples (a slice
 of static size, as XLA needs), and a `tf.cond` once more for a ragged last
-micro-batch. Every variable the step writes exists before the loop: the
+micro-batch. The micro-steps in them only accumulate; the cycle's update
+runs once, after them (`splitting(count, defer=True)`): under a
+`tf.distribute` strategy of several replicas the optimizer's all-reduce and
+writes (merge calls) cannot run inside a loop or a branch of one replica,
+and each replica's share of a ragged batch may need fewer micro-batches
+than another's. Every variable the step writes exists before the loop: the
 optimizer and its accumulators are built by `fit` before it traces the
 step, and kept `tf.IndexedSlices` are created when the step is traced (in
 `tf.init_scope`). Under XLA their buffers hold the cycle the trace's batch
@@ -39,15 +44,17 @@ def _slice(data: Any, start: Any, size: Any) -> Any:
 
 
 def split(
-    step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[[Any], Any], initial_logs: Any
+    step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[..., Any], initial_logs: Any
 ) -> Any:
     """Keras's TensorFlow train step `step(data)`, once per micro-batch.
 
     Args:
         step: The original train step.
-        data: The batch.
-        size: Samples per micro-batch.
-        splitting: The context of one cycle of a given count of micro-batches.
+        data: The batch (this replica's share of it, under a strategy).
+        size: Samples per micro-batch, over all replicas: each replica
+            computes `size / replicas` of them.
+        splitting: The context of one cycle of a given count of micro-batches
+            whose update is deferred until the loop is done.
         initial_logs: Tensors of the structure the step returns (the loop's
             starting value; a batch always has at least one micro-batch).
 
@@ -56,25 +63,26 @@ def split(
 
     Raises:
         ValueError: Under a `tf.distribute` strategy of several replicas,
-            whose variable writes (merge calls) cannot run in a loop.
+            if `size` is not a multiple of their number.
     """
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1:
+    if size % replicas:
         raise ValueError(
-            f"micro_batch_size={size} splits the train step in a `tf.while_loop`, and under a "
-            f"tf.distribute strategy of {replicas} replicas the optimizer's writes (merge calls) "
-            "cannot run in a loop. Accumulate across steps there: accumulate(optimizer, n=k) with "
-            "batches of B / k."
+            f"micro_batch_size={size} counts the samples of one micro-batch over all {replicas} replicas "
+            f"(as `batch_size` does), which each compute an equal share: it must be a multiple of {replicas}. "
+            f"Received: micro_batch_size={size}."
         )
+    size //= replicas
     leaf = next(tf.convert_to_tensor(t) for t in tree.flatten(data) if t is not None)
     total = tf.shape(leaf, out_type=tf.int32)[0]
     full = total // size
     rest = total - full * size
     count = full + tf.cast(rest > 0, tf.int32)
     known = leaf.shape[0]
-    with splitting(count), kept.split_into(None if known is None else -(-known // size)):
+    with splitting(count, defer=True) as at, kept.split_into(None if known is None else -(-known // size)):
 
         def body(i: Any, logs: Any) -> tuple[Any, Any]:
+            at(i)
             logs = step(_slice(data, i * size, size))
             return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
 
@@ -82,6 +90,7 @@ def split(
         _, logs = tf.while_loop(lambda i, _: i < full, body, (tf.constant(0), initial_logs), parallel_iterations=1)
 
         def last() -> Any:
+            at(full)
             return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, rest)))
 
         logs = tf.cond(rest > 0, last, lambda: logs)
