@@ -5,6 +5,7 @@ takes slice by slice (token lookups side by side, position lookups summed:
 the default `sparse="auto"` keeps them so within the step's micro-batches)."""
 
 import keras
+import numpy as np
 import pytest
 
 from gradaccum import accumulate
@@ -89,9 +90,21 @@ def test_mirrored_strategy_equals_one_device_and_all_reduces_once_per_batch(mode
     assert_states_equal(first, second)
 
 
-def test_mirrored_strategy_needs_a_micro_batch_of_whole_replica_shares():
+@pytest.mark.parametrize(
+    ("size", "wrap", "compile_kwargs", "match"),
+    (
+        (SIZE, lambda o: o, {}, r"micro_batch_size=3.*2 replicas.*multiple of 2"),
+        (4, lambda o: o, {"run_eagerly": True}, r"micro_batch_size=4.*2 replicas.*run_eagerly.*n=k"),
+        (4, keras.optimizers.LossScaleOptimizer, {}, r"micro_batch_size=4.*2 replicas.*LossScaleOptimizer.*n=k"),
+    ),
+    ids=("micro_batch_not_whole_shares", "eager", "loss_scale"),
+)
+def test_mirrored_strategy_refuses_what_it_cannot_split(size, wrap, compile_kwargs, match):
     x, y = make_data(2 * B)
     with mirrored().scope():
-        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=SIZE)
-    with pytest.raises(ValueError, match=r"micro_batch_size=3.*2 replicas.*multiple of 2"):
-        fit(model, opt, x, y, B)
+        model, opt = make_mlp(), accumulate(wrap(keras.optimizers.Adam(1e-2)), micro_batch_size=size)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=match):
+        fit(model, opt, x, y, B, **compile_kwargs)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -55,12 +54,15 @@ class Cycle:
         # the cycle's update is deferred, the micro-batch's index in the
         # step's loop and the positions given a gradient so far. Each
         # replica's own: a `tf.distribute` strategy traces each replica's
-        # step in a thread of its own.
-        self._split_step = threading.local()
+        # step in threads of its own.
+        self._split_steps: dict[int, dict[str, Any]] = {}
 
-    split = property(lambda self: getattr(self._split_step, "split", None))
-    index = property(lambda self: getattr(self._split_step, "index", None))
-    given = property(lambda self: getattr(self._split_step, "given", None))
+    def _split_step(self) -> dict[str, Any]:
+        return self._split_steps.get(self._backend.replica_id(), {})
+
+    split = property(lambda self: self._split_step().get("split"))
+    index = property(lambda self: self._split_step().get("index"))
+    given = property(lambda self: self._split_step().get("given"))
 
     @contextlib.contextmanager
     def splitting(self, count: Any, defer: bool = False) -> Iterator[None]:
@@ -71,16 +73,16 @@ class Cycle:
         With `defer`, the micro-steps only accumulate: each runs at the
         `index` its loop sets, and the cycle's update runs once the loop is
         done (see `gradaccum._micro_batches`)."""
-        step = self._split_step
-        step.split, step.index, step.given = count, None, (set() if defer else None)
+        replica = self._backend.replica_id()
+        self._split_steps[replica] = {"split": count, "given": set() if defer else None}
         try:
             yield
         finally:
-            step.split = step.index = step.given = None
+            del self._split_steps[replica]
 
     def at(self, index: Any) -> None:
         """Sets the micro-batch's index in a deferring split step's loop."""
-        self._split_step.index = None if index is None else ops.cast(index, self._backend.counter_dtype)
+        self._split_step()["index"] = None if index is None else ops.cast(index, self._backend.counter_dtype)
 
     def deferred(self, given: set[int]) -> bool:
         """Whether the micro-step running leaves its cycle's update to the

@@ -63,10 +63,10 @@ def _splitting_into(core: Any, count: Any, defer: bool = False) -> Iterator[Call
         yield cycle.at
         if defer:
             cycle.at(None)
-            state, ends = core.state, ops.convert_to_tensor(True)
-            state.mark_touched(cycle.given, ends)
+            state, ends, given = core.state, ops.convert_to_tensor(True), cycle.given
+            state.mark_touched(given, ends)
             with unchanged_if_raised(state, core.backend, ends):
-                core._finish_if(ends, count, cycle.given)
+                core._finish_if(ends, count, given)
 
 
 def check_family(settings: Any, family: Any) -> None:

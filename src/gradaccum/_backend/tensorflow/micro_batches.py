@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 from keras import tree
 
@@ -43,9 +44,31 @@ def _slice(data: Any, start: Any, size: Any) -> Any:
     return tree.map_structure(cut, data)
 
 
-def split(
-    step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[..., Any], initial_logs: Any
-) -> Any:
+def _check_replicas(size: int, replicas: int, model: Any) -> None:
+    if size % replicas:
+        raise ValueError(
+            f"micro_batch_size={size} counts the samples of one micro-batch over all {replicas} replicas "
+            f"(as `batch_size` does), which each compute an equal share: it must be a multiple of {replicas}. "
+            f"Received: micro_batch_size={size}."
+        )
+    if replicas == 1:
+        return
+    if tf.executing_eagerly():
+        raise ValueError(
+            f"micro_batch_size={size} under a tf.distribute strategy of {replicas} replicas runs in a "
+            "`tf.function`: compile the model without `run_eagerly=True`, or accumulate across steps with "
+            "accumulate(optimizer, n=k) and batches of B / k."
+        )
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            f"micro_batch_size={size} under a tf.distribute strategy of {replicas} replicas cannot split the "
+            "step of a LossScaleOptimizer, which synchronises the replicas on every micro-batch (a merge call "
+            "TensorFlow refuses inside the step's loop). Accumulate across steps with "
+            "accumulate(optimizer, n=k) and batches of B / k, or train without loss scaling."
+        )
+
+
+def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[..., Any], model: Any) -> Any:
     """Keras's TensorFlow train step `step(data)`, once per micro-batch.
 
     Args:
@@ -55,23 +78,18 @@ def split(
             computes `size / replicas` of them.
         splitting: The context of one cycle of a given count of micro-batches
             whose update is deferred until the loop is done.
-        initial_logs: Tensors of the structure the step returns (the loop's
-            starting value; a batch always has at least one micro-batch).
+        model: The model the step trains.
 
     Returns:
         The logs of the last micro-batch.
 
     Raises:
-        ValueError: Under a `tf.distribute` strategy of several replicas,
-            if `size` is not a multiple of their number.
+        ValueError: Under a `tf.distribute` strategy of several replicas, if
+            `size` is not a multiple of their number, if the step runs eagerly,
+            or for a loss-scale optimizer (whose every micro-step makes merge calls).
     """
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if size % replicas:
-        raise ValueError(
-            f"micro_batch_size={size} counts the samples of one micro-batch over all {replicas} replicas "
-            f"(as `batch_size` does), which each compute an equal share: it must be a multiple of {replicas}. "
-            f"Received: micro_batch_size={size}."
-        )
+    _check_replicas(size, replicas, model)
     size //= replicas
     leaf = next(tf.convert_to_tensor(t) for t in tree.flatten(data) if t is not None)
     total = tf.shape(leaf, out_type=tf.int32)[0]
@@ -87,7 +105,8 @@ def split(
             return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
 
         # One micro-batch after the other: each reads the variables the last wrote.
-        _, logs = tf.while_loop(lambda i, _: i < full, body, (tf.constant(0), initial_logs), parallel_iterations=1)
+        start = (tf.constant(0), model.get_metrics_result())
+        _, logs = tf.while_loop(lambda i, _: i < full, body, start, parallel_iterations=1)
 
         def last() -> Any:
             at(full)
