@@ -107,8 +107,9 @@ class Core:
 
     def micro_step(self) -> Any:
         """Micro-steps taken in the current cycle (a backend tensor)."""
-        if self.state is None:
-            return ops.convert_to_tensor(0, dtype=self.backend.counter_dtype)
+        index = self.cycle.index  # where a deferring split step's loop counts them
+        if self.state is None or index is not None:
+            return ops.convert_to_tensor(0, dtype=self.backend.counter_dtype) if index is None else index
         return self.backend.snapshot(self.state.micro_step)
 
     def will_apply(self) -> Any:
@@ -235,10 +236,9 @@ class Core:
                         self._finish_if(ends, steps, given)
 
     def _position(self, checks: list[tuple[Callable[[], Any], str]]) -> tuple[Any, Any, Any]:
-        """`(first, steps, ends)`: whether this micro-step is its cycle's first, the cycle's micro-steps
-        with it, whether it ends the cycle. Python values where the backend keeps the position on the
-        host, backend tensors elsewhere (`Cycle.index` in a split step's loop that defers its update).
-        A traced `n`'s run-time checks are appended to `checks`."""
+        """`(first, steps, ends)`: whether this micro-step is its cycle's first, the cycle's micro-steps with it,
+        whether it ends the cycle: Python values where the backend keeps the position on the host, else backend
+        tensors (`Cycle.index` in a deferring split step's loop). A traced `n`'s checks are appended to `checks`."""
         state, backend = self.state, self.backend
         if backend.host_counters:
             steps = state.host_micro_step + 1
