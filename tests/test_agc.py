@@ -22,6 +22,7 @@ import gradaccum
 from gradaccum import accumulate
 from tests.helpers import (
     ATOL,
+    MODES,
     assert_states_close,
     assert_states_equal,
     dtype_policy,
@@ -304,6 +305,18 @@ def test_loss_scale_factor_is_divided_out_first():
     assert_states_close(ref, got)
 
 
+@pytest.mark.parametrize("jit", (False, True), ids=("graph", "xla"))
+def test_split_step_equals_large_batch_clipped(jit):
+    """`micro_batch_size`: the batch's mean gradient is clipped once, as the
+    large batch's, not each micro-batch's."""
+    x, y = _data()
+    ref, _, _ = reference(make_mlp, OPTIMIZERS["adam"], x, y, MICRO_BATCH * N)
+    opt = accumulate(OPTIMIZERS["adam"](), micro_batch_size=MICRO_BATCH, agc=FACTOR, agc_eps=EPS)
+    got, _ = subject_fit(make_mlp, opt, x, y, MICRO_BATCH * N, jit_compile=jit)
+    assert_states_close(ref, got)
+    assert int(opt.iterations) == CYCLES
+
+
 # ----------------------------------------------------------------------
 # MirroredStrategy: the replicas' sum is clipped, as one device would.
 
@@ -322,6 +335,19 @@ def test_mirrored_strategy_equals_one_device(name, mode):
         opt = accumulate(makers[name](), N, mode=mode, agc=FACTOR)
         model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=MICRO_BATCH, shuffle=False, verbose=0)
+    assert_states_close(ref, full_state(model, opt))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mirrored_strategy_split_step_equals_one_device(mode):
+    """`micro_batch_size` under two replicas: the replicas' sum of the batch
+    is clipped once, after the step's loop."""
+    x, y = _data()
+    ref, _, _ = reference(make_mlp, OPTIMIZERS["adam"], x, y, MICRO_BATCH * N)
+    with mirrored().scope():
+        model = make_mlp()
+        opt = accumulate(OPTIMIZERS["adam"](), micro_batch_size=MICRO_BATCH, mode=mode, agc=FACTOR, agc_eps=EPS)
+    fit(model, opt, x, y, MICRO_BATCH * N)
     assert_states_close(ref, full_state(model, opt))
 
 

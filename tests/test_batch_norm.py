@@ -93,6 +93,27 @@ def test_first_layer_moving_statistics_equal_the_large_batch(mode):
 
 
 @pytest.mark.parametrize(
+    "compile_kwargs", [{}, dict(jit_compile=True), dict(run_eagerly=True)], ids=["graph", "xla", "eager"]
+)
+def test_split_step_moving_statistics_equal_the_large_batch(compile_kwargs):
+    """`micro_batch_size`: the layer pools a batch's micro-batches and
+    updates its moving statistics once per batch, as Keras's layer does on
+    the whole batch (3 batches and a ragged last one); Keras's own layer in a
+    split step updates them per micro-batch."""
+    x, y = _data(B * N * 3 + 5)
+    reference = _large_batch(x, y)
+    subject = make_model()
+    subject.compile(optimizer=accumulate(keras.optimizers.SGD(0.05), micro_batch_size=B), loss="mse",
+                    **compile_kwargs)
+    subject.fit(x, y, batch_size=B * N, shuffle=False, verbose=0)
+    assert_moving_close(reference, subject)
+    assert float(subject.get_layer("bn").pooled_count.numpy()) == 0.0
+    keras_layer = _fit(make_model(keras.layers.BatchNormalization),
+                       accumulate(keras.optimizers.SGD(0.05), micro_batch_size=B), x, y, B * N)
+    assert distance(reference, keras_layer) > 0.1
+
+
+@pytest.mark.parametrize(
     "compile_kwargs",
     [dict(run_eagerly=True), dict(jit_compile=True), dict(steps_per_execution=3)],
     ids=["eager", "xla", "steps_per_execution"],

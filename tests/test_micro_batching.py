@@ -5,14 +5,17 @@ takes slice by slice (token lookups side by side, position lookups summed:
 the default `sparse="auto"` keeps them so within the step's micro-batches)."""
 
 import keras
+import numpy as np
 import pytest
 
 from gradaccum import accumulate
-from tests.helpers import MODES, assert_states_close, fit, full_state, make_data, make_mlp
-from tests.helpers.distribute import mirrored
+from tests.helpers import MODES, assert_states_close, assert_states_equal, fit, full_state, make_data, make_mlp
+from tests.helpers.distribute import mirrored, replica_states
+from tests.test_communication import gradient_all_reduces as _gradient_all_reduces
 from tests.test_sparse_exact import OPTIMIZERS, _data, _model
 
 B, SIZE = 8, 3
+gradient_all_reduces = _gradient_all_reduces  # a fixture
 
 
 def _fit_pair(kind, samples, mode="masked", jit=False):
@@ -64,9 +67,44 @@ def test_dense_model_equals_plain_fit(jit):
     assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
 
 
-def test_several_replicas_are_told_to_use_n():
+@pytest.mark.parametrize("mode", MODES)
+def test_mirrored_strategy_equals_one_device_and_all_reduces_once_per_batch(mode, gradient_all_reduces):
+    """Each replica computes its share of the batch in micro-batches (the
+    micro-batch counts the samples of every replica, as `batch_size` does):
+    the update equals plain fit on one device, the ragged last batch (3 and
+    2 samples per replica, so 2 and 1 micro-batches) included, every replica
+    holds the same values, and the gradients are all-reduced once per batch."""
+    arm, per_replica = gradient_all_reduces
+    strategy = mirrored()
+    x, y = make_data(3 * B + 5)
+    reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(reference, ref_opt, x, y, B)
+    with strategy.scope():
+        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=4, mode=mode)
+    arm(model)
+    fit(model, opt, x, y, B)
+    assert int(opt.iterations.numpy()) == 4
+    assert per_replica(strategy) == 4
+    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
+    first, second = replica_states(strategy, model, opt)
+    assert_states_equal(first, second)
+
+
+@pytest.mark.parametrize(
+    ("size", "wrap", "compile_kwargs", "match"),
+    (
+        (SIZE, lambda o: o, {}, r"micro_batch_size=3.*2 replicas.*multiple of 2"),
+        (4, lambda o: o, {"run_eagerly": True}, r"micro_batch_size=4.*2 replicas.*run_eagerly.*n=k"),
+        (4, keras.optimizers.LossScaleOptimizer, {}, r"micro_batch_size=4.*2 replicas.*LossScaleOptimizer.*n=k"),
+    ),
+    ids=("micro_batch_not_whole_shares", "eager", "loss_scale"),
+)
+def test_mirrored_strategy_refuses_what_it_cannot_split(size, wrap, compile_kwargs, match):
     x, y = make_data(2 * B)
     with mirrored().scope():
-        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=SIZE)
-    with pytest.raises(ValueError, match=r"micro_batch_size=3.*2 replicas.*n=k"):
-        fit(model, opt, x, y, B)
+        model, opt = make_mlp(), accumulate(wrap(keras.optimizers.Adam(1e-2)), micro_batch_size=size)
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=match):
+        fit(model, opt, x, y, B, **compile_kwargs)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)

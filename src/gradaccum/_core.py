@@ -107,8 +107,9 @@ class Core:
 
     def micro_step(self) -> Any:
         """Micro-steps taken in the current cycle (a backend tensor)."""
-        if self.state is None:
-            return ops.convert_to_tensor(0, dtype=self.backend.counter_dtype)
+        index = self.cycle.index  # where a deferring split step's loop counts them
+        if self.state is None or index is not None:
+            return ops.convert_to_tensor(0, dtype=self.backend.counter_dtype) if index is None else index
         return self.backend.snapshot(self.state.micro_step)
 
     def will_apply(self) -> Any:
@@ -219,7 +220,7 @@ class Core:
         # gradients: a branch on a predicate that did not would start early.
         with self.backend.after(grads, variables, weight):
             checks = self.weights.checks()
-            first, steps, ends = state.position.next(self.cycle, self.family.iterations, checks)
+            first, steps, ends = state.position.next(self.cycle, self.family.iterations, checks, self.cycle.index)
             with checked(self.backend, checks):
                 first, steps, ends, weight, grads = self.weights.refused_unless(
                     state, first, steps, ends, weight, grads, indices)
@@ -227,7 +228,9 @@ class Core:
                 state.check_unmet(ends)
                 with unchanged_if_raised(state, self.backend, ends):
                     took_part = self._add(grads, indices, weight, first)
-                    self._finish_if(ends, steps, took_part)
+                    if not self.cycle.deferred(took_part):  # else the update follows the split step's loop
+                        state.position.mark(took_part, first, self.weights.accepted)
+                        self._finish_if(ends, steps, took_part)
 
     def resync(self, counter: bool = True) -> None:
         """Takes the cycle's position from its variables (if `counter`)
@@ -287,7 +290,6 @@ class Core:
             missing += [c for i, c in enumerate(state.compensations or []) if i not in took_part]
             backend.tensors.zero_if(first, missing)
         backend.tensors.add_scalar(state.weight_total, 1.0 if weight is None else weight, first)
-        state.position.mark(took_part, first, self.weights.accepted)
         return took_part
 
     def flush(self) -> None:

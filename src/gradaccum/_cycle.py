@@ -50,19 +50,48 @@ class Cycle:
         # Whether a traced schedule's rule was warned about.
         self._warned_traced = False
         # While a train step is split into micro-batches (`splitting`): its
-        # number of micro-batches, the cycle's length for that step.
-        self.split: Any = None
+        # number of micro-batches, the cycle's length for that step; where
+        # the cycle's update is deferred, the micro-batch's index in the
+        # step's loop and the positions that took part so far. Each
+        # replica's own: a `tf.distribute` strategy traces each replica's
+        # step in threads of its own.
+        self._split_steps: dict[int, dict[str, Any]] = {}
+
+    def _split_step(self) -> dict[str, Any]:
+        return self._split_steps.get(self._backend.replicas.index(), {})
+
+    split = property(lambda self: self._split_step().get("split"))
+    index = property(lambda self: self._split_step().get("index"))
+    took_part = property(lambda self: self._split_step().get("took_part"))
 
     @contextlib.contextmanager
-    def splitting(self, count: Any) -> Iterator[None]:
+    def splitting(self, count: Any, defer: bool = False) -> Iterator[None]:
         """Makes the micro-steps run within the block one cycle of `count`
         micro-batches: a Python int, or an integer tensor where the batch's
-        size is known only when the step runs (a TensorFlow graph)."""
-        self.split = count
+        size is known only when the step runs (a TensorFlow graph).
+
+        With `defer`, the micro-steps only accumulate: each runs at the
+        `index` its loop sets, and the cycle's update runs once the loop is
+        done (see `gradaccum._micro_batches`)."""
+        replica = self._backend.replicas.index()
+        self._split_steps[replica] = {"split": count, "took_part": set() if defer else None}
         try:
             yield
         finally:
-            self.split = None
+            del self._split_steps[replica]
+
+    def at(self, index: Any) -> None:
+        """Sets the micro-batch's index in a deferring split step's loop."""
+        self._split_step()["index"] = None if index is None else ops.cast(index, self._backend.counter_dtype)
+
+    def deferred(self, took_part: set[int]) -> bool:
+        """Whether the micro-step running leaves its cycle's update to the
+        end of its split step's loop; if so, records the positions that
+        `took_part` in it, which that update takes."""
+        if self.took_part is None:
+            return False
+        self.took_part.update(took_part)
+        return True
 
     @property
     def value(self) -> int | Callable[[Any], Any]:

@@ -24,9 +24,13 @@ runs the same batch again with a smaller size, traced anew.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from keras import ops
 
 from gradaccum import _atomic, _auto_size, _backend, _families
 
@@ -59,7 +63,9 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
                 )
         if _device().injecting():
             wrapped = _injecting(wrapped, size, total)
-    return _backend.split_train_step(wrapped, args, kwargs, size, core.cycle.splitting, instance)
+    return _backend.split_train_step(
+        wrapped, args, kwargs, size, functools.partial(_splitting_into, core), instance
+    )
 
 
 def _device() -> Any:
@@ -246,6 +252,26 @@ def _saved(model: Any, core: Any) -> Callable[[], None]:
         state()
 
     return restore
+
+
+@contextlib.contextmanager
+def _splitting_into(core: Any, count: Any, defer: bool = False) -> Iterator[Callable[[Any], None]]:
+    """Runs the block's micro-steps as one cycle of `count` micro-batches.
+
+    With `defer`, they only accumulate, each at the index the loop running
+    them hands the function the block gets, and the cycle's update runs once
+    the block's loop is done: a loop whose body cannot hold the update (a
+    `tf.distribute` strategy's merge calls and all-reduce).
+    """
+    cycle = core.cycle
+    with cycle.splitting(count, defer):
+        yield cycle.at
+        if defer:
+            cycle.at(None)
+            state, ends, took_part = core.state, ops.convert_to_tensor(True), cycle.took_part
+            state.position.mark(took_part, ends)
+            with _atomic.unchanged_if_raised(state, core.backend, ends):
+                core._finish_if(ends, count, took_part)
 
 
 def check_family(settings: Any, family: Any) -> None:

@@ -60,6 +60,19 @@ def test_fit_equals_plain_fit_of_the_batch(size, jit, mode):
     np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-6)
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch.compile: PyTorch's `jit_compile=True`")
+def test_torch_compile_equals_plain_fit():
+    """Keras's PyTorch train step compiled with `torch.compile`, split (the
+    last micro-batch and the last batch ragged)."""
+    x, y = make_data(3 * B + 5)
+    reference, subject, ref_history, history, opt = _pair(
+        lambda: keras.optimizers.Adam(1e-2), 3, x, y, jit_compile=True
+    )
+    assert as_int(opt.iterations) == 4
+    assert_states_close(reference, subject)
+    np.testing.assert_allclose(history["loss"], ref_history["loss"], rtol=1e-6)
+
+
 def test_split_is_the_large_batch_not_the_micro_batch():
     """The reference can fail: plain fit on batches of the micro-batch size
     is measurably off."""

@@ -381,4 +381,4 @@ def split_train_step(
         return split_eagerly(step, given["data"], size, splitting)
     from gradaccum._backend.tensorflow.micro_batches import split
 
-    return split(step, given["data"], size, splitting, model.get_metrics_result())
+    return split(step, given["data"], size, splitting, model)

@@ -32,12 +32,16 @@ class Position(Protocol):
         """Micro-steps the current cycle has taken (a Python int where kept
         on the host, else a backend integer tensor)."""
 
-    def next(self, length: Any, applied: Any, checks: list[tuple[Callable[[], Any], str]]) -> tuple[Any, Any, Any]:
+    def next(
+        self, length: Any, applied: Any, checks: list[tuple[Callable[[], Any], str]], index: Any = None
+    ) -> tuple[Any, Any, Any]:
         """`(first, steps, ends)` of the micro-step now running: whether it
         is its cycle's first, the cycle's micro-steps with it, whether it is
         the apply step (ends the cycle). `applied`: the wrapped optimizer's
         `iterations`, which a schedule of `n` takes; a traced `n`'s run-time
-        checks are appended to `checks`."""
+        checks are appended to `checks`. `index`: the micro-step's index in
+        its cycle where a deferring split step's loop counts it
+        (`Cycle.index`), else None."""
 
     def pending(self) -> tuple[Any, Any] | None:
         """`(steps, ends)` for `flush`: the micro-steps the cycle holds and
@@ -100,8 +104,10 @@ class DevicePosition:
     def steps(self) -> Any:
         return self._backend.read(self._counter)
 
-    def next(self, length: Any, applied: Any, checks: list[tuple[Callable[[], Any], str]]) -> tuple[Any, Any, Any]:
-        micro_step = self._backend.read(self._counter)
+    def next(
+        self, length: Any, applied: Any, checks: list[tuple[Callable[[], Any], str]], index: Any = None
+    ) -> tuple[Any, Any, Any]:
+        micro_step = self._backend.read(self._counter) if index is None else index
         steps = micro_step + 1
         return ops.equal(micro_step, 0), steps, ops.greater_equal(steps, length.current(applied, checks))
 
@@ -170,8 +176,10 @@ class HostPosition:
     def steps(self) -> int:
         return self._steps
 
-    def next(self, length: Any, applied: Any, checks: list[tuple[Callable[[], Any], str]]) -> tuple[Any, Any, Any]:
-        steps = self._steps + 1
+    def next(
+        self, length: Any, applied: Any, checks: list[tuple[Callable[[], Any], str]], index: Any = None
+    ) -> tuple[Any, Any, Any]:
+        steps = (self._steps if index is None else int(index)) + 1
         return steps == 1, steps, steps >= length.on_host(self._applied)
 
     def pending(self) -> tuple[Any, Any] | None:

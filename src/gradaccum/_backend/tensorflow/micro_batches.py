@@ -4,7 +4,12 @@ In `model.fit`'s traced step the batch's size is usually unknown (None), so
 the number of micro-batches is a tensor: a `tf.while_loop` runs Keras's
 original train step once per full micro-batch of `size` samples (a slice
 of static size, as XLA needs), and a `tf.cond` once more for a ragged last
-micro-batch. Every variable the step writes exists before the loop: the
+micro-batch. The micro-steps in them only accumulate; the cycle's update
+runs once, after them (`splitting(count, defer=True)`): under a
+`tf.distribute` strategy of several replicas the optimizer's all-reduce and
+writes (merge calls) cannot run inside a loop or a branch of one replica,
+and each replica's share of a ragged batch may need fewer micro-batches
+than another's. Every variable the step writes exists before the loop: the
 optimizer and its accumulators are built by `fit` before it traces the
 step, and kept `tf.IndexedSlices` are created when the step is traced (in
 `tf.init_scope`). Under XLA their buffers hold the cycle the trace's batch
@@ -17,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import keras
 import tensorflow as tf
 from keras import tree
 
@@ -38,50 +44,72 @@ def _slice(data: Any, start: Any, size: Any) -> Any:
     return tree.map_structure(cut, data)
 
 
-def split(
-    step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[[Any], Any], initial_logs: Any
-) -> Any:
+def _check_replicas(size: int, replicas: int, model: Any) -> None:
+    if size % replicas:
+        raise ValueError(
+            f"micro_batch_size={size} counts the samples of one micro-batch over all {replicas} replicas "
+            f"(as `batch_size` does), which each compute an equal share: it must be a multiple of {replicas}. "
+            f"Received: micro_batch_size={size}."
+        )
+    if replicas == 1:
+        return
+    if tf.executing_eagerly():
+        raise ValueError(
+            f"micro_batch_size={size} under a tf.distribute strategy of {replicas} replicas runs in a "
+            "`tf.function`: compile the model without `run_eagerly=True`, or accumulate across steps with "
+            "accumulate(optimizer, n=k) and batches of B / k."
+        )
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ValueError(
+            f"micro_batch_size={size} under a tf.distribute strategy of {replicas} replicas cannot split the "
+            "step of a LossScaleOptimizer, which synchronises the replicas on every micro-batch (a merge call "
+            "TensorFlow refuses inside the step's loop). Accumulate across steps with "
+            "accumulate(optimizer, n=k) and batches of B / k, or train without loss scaling."
+        )
+
+
+def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[..., Any], model: Any) -> Any:
     """Keras's TensorFlow train step `step(data)`, once per micro-batch.
 
     Args:
         step: The original train step.
-        data: The batch.
-        size: Samples per micro-batch.
-        splitting: The context of one cycle of a given count of micro-batches.
-        initial_logs: Tensors of the structure the step returns (the loop's
-            starting value; a batch always has at least one micro-batch).
+        data: The batch (this replica's share of it, under a strategy).
+        size: Samples per micro-batch, over all replicas: each replica
+            computes `size / replicas` of them.
+        splitting: The context of one cycle of a given count of micro-batches
+            whose update is deferred until the loop is done.
+        model: The model the step trains.
 
     Returns:
         The logs of the last micro-batch.
 
     Raises:
-        ValueError: Under a `tf.distribute` strategy of several replicas,
-            whose variable writes (merge calls) cannot run in a loop.
+        ValueError: Under a `tf.distribute` strategy of several replicas, if
+            `size` is not a multiple of their number, if the step runs eagerly,
+            or for a loss-scale optimizer (whose every micro-step makes merge calls).
     """
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if replicas > 1:
-        raise ValueError(
-            f"micro_batch_size={size} splits the train step in a `tf.while_loop`, and under a "
-            f"tf.distribute strategy of {replicas} replicas the optimizer's writes (merge calls) "
-            "cannot run in a loop. Accumulate across steps there: accumulate(optimizer, n=k) with "
-            "batches of B / k."
-        )
+    _check_replicas(size, replicas, model)
+    size //= replicas
     leaf = next(tf.convert_to_tensor(t) for t in tree.flatten(data) if t is not None)
     total = tf.shape(leaf, out_type=tf.int32)[0]
     full = total // size
     rest = total - full * size
     count = full + tf.cast(rest > 0, tf.int32)
     known = leaf.shape[0]
-    with splitting(count), kept.split_into(None if known is None else -(-known // size)):
+    with splitting(count, defer=True) as at, kept.split_into(None if known is None else -(-known // size)):
 
         def body(i: Any, logs: Any) -> tuple[Any, Any]:
+            at(i)
             logs = step(_slice(data, i * size, size))
             return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
 
         # One micro-batch after the other: each reads the variables the last wrote.
-        _, logs = tf.while_loop(lambda i, _: i < full, body, (tf.constant(0), initial_logs), parallel_iterations=1)
+        start = (tf.constant(0), model.get_metrics_result())
+        _, logs = tf.while_loop(lambda i, _: i < full, body, start, parallel_iterations=1)
 
         def last() -> Any:
+            at(full)
             return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, rest)))
 
         logs = tf.cond(rest > 0, last, lambda: logs)
