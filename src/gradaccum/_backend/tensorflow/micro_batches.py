@@ -68,6 +68,17 @@ def _check_replicas(size: int, replicas: int, model: Any) -> None:
         )
 
 
+def _metrics_result(model: Any, data: Any) -> Any:
+    """The logs' structure before the first micro-batch: the model's
+    metrics' results. Metrics given to `compile` are built by the first
+    step that updates them; Keras builds them before tracing only under a
+    strategy, so here they are built as Keras does then."""
+    metrics = getattr(model, "_compile_metrics", None)
+    if metrics is not None and not metrics.built:
+        model._symbolic_build(data_batch=data)
+    return model.get_metrics_result()
+
+
 def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[..., Any], model: Any) -> Any:
     """Keras's TensorFlow train step `step(data)`, once per micro-batch.
 
@@ -105,7 +116,7 @@ def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[
             return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
 
         # One micro-batch after the other: each reads the variables the last wrote.
-        start = (tf.constant(0), model.get_metrics_result())
+        start = (tf.constant(0), _metrics_result(model, data))
         _, logs = tf.while_loop(lambda i, _: i < full, body, start, parallel_iterations=1)
 
         def last() -> Any:
