@@ -14,8 +14,8 @@ of the whole batch: a device on which the large batch does not fit.
 - `"auto"` with that `memory_limit`: the size it chose, its steady
   throughput against the best hand-chosen size that fits, and the search's
   cost (the seconds its compilations took, and the first epoch's time
-  beyond the best hand-chosen size's first epoch: the search and the
-  throughput trial's compilations) as a share of a steady epoch.
+  beyond the best hand-chosen size's first epoch: the search's
+  compilations) as a share of a steady epoch.
 - Today's cross-step `n`: `accumulate(opt, n=k)` on batches of `B / k`, for
   the `k` of the size `"auto"` chose.
 - Peak memory: the chosen step's bytes against the plain large batch's.
@@ -124,10 +124,10 @@ def main() -> None:
     print(f"search: {len(measure_seconds)} compilations, {sum(measure_seconds):.2f} s = "
           f"{100 * sum(measure_seconds) / epoch:.1f}% of an epoch of {batches} batches ({epoch:.1f} s)")
     # The first epoch's extra time over a steady one, against the best
-    # hand-chosen size's (which compiles once): the search and the trial.
+    # hand-chosen size's (which compiles once): the search.
     extra = (auto_first - epoch) - (first[best_size] - len(x) / sweep[best_size])
     print(f"first epoch: {extra:.2f} s more than the best hand-chosen size's first epoch "
-          f"(search and throughput trial) = {100 * extra / epoch:.1f}% of an epoch")
+          f"(the search) = {100 * extra / epoch:.1f}% of an epoch")
     k = -(-B // chosen)
     n_rate, _ = run(accumulate(keras.optimizers.Adam(1e-3), n=k), x, y, B // k)
     print(f"n={k} across steps on batches of {B // k}: {n_rate:.0f} samples/s = {n_rate / auto_rate:.3f}x \"auto\"")

@@ -11,10 +11,6 @@ with. It is chosen on the first batch of `fit` (`start`):
   extrapolated, and the out-of-memory retry is the fallback.
 - TensorFlow and PyTorch: probed: the whole batch first.
 
-Where the size that fits is at least twice `SMALLEST_TRIAL`, the first steps
-time it and smaller sizes (`timed`), and the fastest stays: the largest size
-that fits is not always the fastest.
-
 Sizes are balanced (`balanced`): the fewest micro-batches `k` that fit and
 divide the batch (any int, not only powers of two), else `ceil(B / k)` with
 a ragged last one. Where a step runs out of memory anyway, the same batch
@@ -32,11 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 _LOG = logging.getLogger("gradaccum")
-# The throughput trial: each size is timed over this many steps (after the
-# one that compiles it); sizes below the smallest are not tried.
-TRIAL_STEPS = 2
-SMALLEST_TRIAL = 64
-MOST_TRIALS = 3
 _SEARCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -64,11 +55,7 @@ class Search:
         self.limit = limit
         self.size = chosen
         self.compilations = 0
-        # The throughput trial's batch and seconds per step by size; None
-        # once settled (or for a size a config gave).
-        self.batch: int | None = None
-        self.predicted: int | None = None  # the first size, before any trial or retry
-        self.seconds: dict[int, list[float]] | None = None if chosen is not None else {}
+        self.predicted: int | None = None  # the first size, before any retry
 
     def start(self, batch: int, measure: Callable[[int], int] | None) -> int:
         """Chooses the size for batches of `batch` samples, where none is.
@@ -94,39 +81,8 @@ class Search:
                 )
             size = batch if measure is None else self._predicted(batch, measure)
             self._choose(_device().agreed(size), "predicted" if measure is not None else "probed from the batch")
-            self.batch, self.predicted = batch, self.size
-            if _trial(batch, self.size) is None or _device().several_processes():
-                # Processes would time differently and disagree on the size.
-                self.seconds = None
+            self.predicted = self.size
         return self.size
-
-    @property
-    def timing(self) -> bool:
-        """Whether steps are timed (the throughput trial is on)."""
-        return self.seconds is not None
-
-    def timed(self, batch: int, seconds: float) -> None:
-        """Takes the time of a step at `size` (not its first, which compiles).
-
-        The largest size that fits is not always the fastest (on a CPU,
-        smaller matrices can stay in cache): after `TRIAL_STEPS` steps of a
-        size, the next smaller one is tried while the last was faster than
-        the one before, at most `MOST_TRIALS` sizes; then the fastest stays.
-        Every size is exact, so the trial's steps are training steps.
-        """
-        if self.seconds is None or batch != self.batch:
-            return
-        times = self.seconds.setdefault(self.size, [])
-        times.append(seconds)
-        if len(times) < TRIAL_STEPS:
-            return
-        best = min(self.seconds, key=lambda s: min(self.seconds[s]))
-        smaller = _trial(batch, self.size)
-        if best == self.size and smaller is not None and len(self.seconds) < MOST_TRIALS:
-            self.size = smaller
-            return
-        self.seconds = None
-        self._choose(best, "the fastest of the sizes that fit, timed")
 
     def smaller(self, batch: int, error: BaseException) -> int:
         """The size after a step with `size` ran out of memory: one
@@ -142,7 +98,6 @@ class Search:
                 "micro_batch_size=\"auto\": the train step does not fit even at micro-batches of 1 sample; "
                 f"{self._has()} The device said: {error}"
             ) from error
-        self.seconds = None  # no throughput trial after running out of memory
         count = math.ceil(batch / size) + 1
         while balanced(batch, math.ceil(batch / count)) >= size:
             count += 1
@@ -192,15 +147,9 @@ class Search:
         return "" if free is None else f"the device has {free} bytes free."
 
     def _choose(self, size: int, how: str) -> None:
-        if size != self.size or how.startswith("the fastest"):
+        if size != self.size:
             _LOG.info("gradaccum: micro_batch_size=\"auto\" chose %d (%s).", size, how)
         self.size = size
-
-
-def _trial(batch: int, size: int) -> int | None:
-    """The next smaller size the throughput trial times, or None."""
-    smaller = balanced(batch, size // 2) if size >= 2 else size
-    return smaller if SMALLEST_TRIAL <= smaller < size else None
 
 
 def search_of(core: Any) -> Search:
@@ -224,8 +173,7 @@ def size_of(core: Any) -> int | str | None:
 def restore(core: Any, chosen: Any) -> None:
     """Gives `core` the size a config recorded (None: nothing to restore)."""
     if chosen is not None and core.settings.micro_batch_size == "auto":
-        search = search_of(core)
-        search.size, search.seconds = int(chosen), None
+        search_of(core).size = int(chosen)
 
 
 def _device() -> Any:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -154,9 +153,7 @@ class Retrying:
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
             size = search.size
-            new = size not in self.functions
             function = self._function_for(size)
-            start = time.perf_counter()
             try:
                 result = call(function)
             except Exception as error:
@@ -173,9 +170,6 @@ class Retrying:
                 self.functions.pop(size, None)
                 search.smaller(batch, error)
                 continue
-            if search.timing and not new and batch is not None:
-                micro_batches.wait(result)
-                search.timed(batch, time.perf_counter() - start)
             return result
 
     def _function_for(self, size: int) -> Callable[..., Any]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate, accumulating
-from gradaccum._auto_size import Search, search_of
+from gradaccum._auto_size import search_of
 from gradaccum._backend.micro_batches import out_of_memory_above
 from tests.helpers import BACKEND, JIT, as_int, assert_states_close, core_of, fit, full_state, make_data, make_mlp
 
@@ -182,27 +182,6 @@ def test_accumulating_chooses_for_code_you_do_not_own():
         fit(model, keras.optimizers.Adam(1e-2), x, y, B)
     assert core_of(model.optimizer).micro_batch_size == 4
     assert_states_close(full_state(reference, ref_opt), full_state(model, model.optimizer))
-
-
-def test_the_throughput_trial_keeps_the_fastest_size_that_fits():
-    """From the size that fits, smaller sizes are timed while each is faster
-    than the one before; the fastest stays. Other batches' steps (an
-    epoch's ragged last one) do not count."""
-    search = Search(None)
-    assert search.start(512, None) == 512 and search.timing
-    search.timed(512, 0.3)
-    search.timed(100, 0.01)
-    search.timed(512, 0.2)
-    assert search.size == 256
-    search.timed(512, 0.15)
-    search.timed(512, 0.16)
-    assert search.size == 128
-    search.timed(512, 0.18)
-    search.timed(512, 0.17)
-    assert search.size == 256 and not search.timing
-    small = Search(None)
-    small.start(64, None)
-    assert not small.timing  # 32 is below the smallest size tried
 
 
 @pytest.mark.parametrize(

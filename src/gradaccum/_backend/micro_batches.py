@@ -234,20 +234,3 @@ def agreed(size: int) -> int:
     from jax.experimental import multihost_utils
 
     return int(np.min(multihost_utils.process_allgather(np.int32(size))))
-
-
-def wait(result: Any) -> None:
-    """Waits until the step that returned `result` has run (JAX and PyTorch
-    on a GPU return before it has)."""
-    from gradaccum._backend import active
-
-    if active() == "jax":
-        import jax
-
-        jax.block_until_ready(result)
-        return
-    if active() == "torch":
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
