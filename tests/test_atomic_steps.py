@@ -139,9 +139,7 @@ def _assert_held_equal(before, after):
     [
         (2, "dense"),
         (1, "slices"),
-        pytest.param(2, "slices", marks=pytest.mark.xfail(
-            strict=True, reason="eagerly on two replicas, a replica's snapshot of the kept slices holds the "
-            "slices another replica added before it (replica threads take turns), and its restore writes them back")),
+        (2, "slices"),
     ],
     ids=["two_replicas_dense", "one_device_slices", "two_replicas_slices"],
 )
