@@ -215,7 +215,7 @@ class Kept:
             grown.write(values, indices, False, self._n_now())
             return
         held_values, held_indices = fixed.held()[here]
-        if np.array_equal(held_indices, indices.numpy()):
+        if self._eager_kind != GROWS and np.array_equal(held_indices, indices.numpy()):
             if self._eager_kind is None:
                 self._eager_kind = FIXED
                 self._warn("judged", layouts.judged_warning(self.name, held_values, values.numpy()))
@@ -227,8 +227,8 @@ class Kept:
         if grown is None:
             self._create(GROWS, count)
             grown = self.parts[GROWS]
-        grown.hold(fixed.held())
-        fixed.hold([(v[:0], i[:0]) for v, i in fixed.held()])  # every replica's: all moved
+        grown.write(tf.constant(held_values), tf.constant(held_indices), True, self._n_now())
+        fixed.forget_if(tf.constant(True))  # this replica's own: each replica moves its own
         grown.write(values, indices, False, self._n_now())
 
     # ------------------------------------------------------------------
