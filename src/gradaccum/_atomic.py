@@ -74,14 +74,14 @@ def saved(state: State, backend: Backend, accumulators: bool = True) -> Callable
     variables += [v for v in (state.n, state.took_part) if v is not None]
     variables += state.noise.variables() if state.noise is not None else []
     values = [backend.snapshot(v) for v in variables]
-    kept = {i: k.saved() for i, k in state.kept.items() if not getattr(k, "rows_only", False)}
+    kept = [backend.kept_saved(k) for k in state.kept.values() if not getattr(k, "rows_only", False)]
     host = (set(state.took_part_ever), state.position.saved())
 
     def restore() -> None:
         for variable, value in zip(variables, values):
             backend.assign(variable, value)
-        for i, value in kept.items():
-            state.kept[i].load(value)
+        for restore_kept in kept:
+            restore_kept()
         state.took_part_ever = host[0]
         state.position.restore(host[1])
 

@@ -343,6 +343,11 @@ class KeptSlices(Protocol):
         """The variables of `kept` that a cycle's first micro-step giving
         its variable no gradient zeroes."""
 
+    def kept_saved(self, kept: Any) -> Callable[[], None]:
+        """The slices `kept` holds now (eagerly), and how to put them back
+        where the step ending their cycle raises: in a replica context,
+        those this replica's restore must write."""
+
 
 def for_active() -> Backend:
     """The hooks of the active Keras backend.

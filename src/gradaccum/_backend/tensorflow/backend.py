@@ -32,7 +32,7 @@ from gradaccum._backend import StateVariables, Update
 from gradaccum._backend.position import DevicePosition, Position
 from gradaccum._backend.tensorflow import distribution, tensors, updates
 from gradaccum._backend.tensorflow.gradients import TensorFlowGradients
-from gradaccum._backend.tensorflow.kept import Kept
+from gradaccum._backend.tensorflow.kept import Kept, saved_for_restore
 
 
 class TensorFlowBackend:
@@ -235,6 +235,9 @@ class TensorFlowBackend:
 
     def kept_counters(self, kept: Kept) -> list[Any]:
         return kept.counters()
+
+    def kept_saved(self, kept: Kept) -> Callable[[], None]:
+        return saved_for_restore(kept)
 
 
 

@@ -21,7 +21,7 @@ writes over it (fixed), as the accumulators are written over.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -203,3 +203,31 @@ class Buffer:
         """The bytes its buffers hold, on every replica together."""
         variables = [c for v in (self.values, self.indices, self.filled) for c in distribution.copies(v)]
         return sum(int(tf.size(c)) * c.dtype.size for c in variables)
+
+
+def saved_here(parts: Mapping[str, Buffer]) -> Callable[[], None]:
+    """This replica's own copies of a variable's buffers (eagerly), and how
+    to put them back: each replica puts back its own, since replicas run a
+    step eagerly in turns and another one's copies may already hold this
+    step's slices. A buffer created after this is emptied.
+
+    Args:
+        parts: The variable's buffers by kind (its live dictionary).
+
+    Returns:
+        A function that writes the saved copies back.
+    """
+    def own(buffer: Buffer) -> list[tf.Variable]:
+        return [distribution.local_copy(v) for v in (buffer.values, buffer.indices, buffer.filled)]
+
+    values = {kind: [tf.identity(copy) for copy in own(buffer)] for kind, buffer in parts.items()}
+
+    def restore() -> None:
+        for kind, buffer in parts.items():
+            if kind in values:
+                for copy, value in zip(own(buffer), values[kind]):
+                    copy.assign(value, read_value=False)
+            else:
+                buffer.forget_if(tf.constant(True))
+
+    return restore

@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradaccum._backend.tensorflow import distribution, growth, layouts, tensors
-from gradaccum._backend.tensorflow.buffers import Buffer
+from gradaccum._backend.tensorflow.buffers import Buffer, saved_here
 from gradaccum._backend.tensorflow.growth import FIXED, GROWS
 
 _split = threading.local()
@@ -215,7 +215,7 @@ class Kept:
             grown.write(values, indices, False, self._n_now())
             return
         held_values, held_indices = fixed.held()[here]
-        if np.array_equal(held_indices, indices.numpy()):
+        if self._eager_kind != GROWS and np.array_equal(held_indices, indices.numpy()):
             if self._eager_kind is None:
                 self._eager_kind = FIXED
                 self._warn("judged", layouts.judged_warning(self.name, held_values, values.numpy()))
@@ -227,8 +227,8 @@ class Kept:
         if grown is None:
             self._create(GROWS, count)
             grown = self.parts[GROWS]
-        grown.hold(fixed.held())
-        fixed.hold([(v[:0], i[:0]) for v, i in fixed.held()])  # every replica's: all moved
+        grown.write(tf.constant(held_values), tf.constant(held_indices), True, self._n_now())
+        fixed.forget_if(tf.constant(True))  # this replica's own: each replica moves its own
         grown.write(values, indices, False, self._n_now())
 
     # ------------------------------------------------------------------
@@ -370,3 +370,26 @@ class Kept:
                 buffer.hold([(fixed[0] if r == 0 else zeros, fixed[1]) for r in range(replicas)])
             else:
                 buffer.forget_if(tf.constant(True))
+
+
+def saved_for_restore(kept: Kept) -> Callable[[], None]:
+    """A variable's kept slices now (eagerly), and how to put them back
+    where the step that ends its cycle raises (`gradaccum._atomic`).
+
+    In a replica context of several replicas, this replica's own slices
+    (`buffers.saved_here`): every replica's, read while another replica may
+    have added this step's slices already, would make the result depend on
+    which replica puts its values back last. Elsewhere, or while slices
+    loaded from a file wait for a step (which puts them into every
+    replica's buffers), all of them (`Kept.saved`).
+
+    Args:
+        kept: The variable's kept slices.
+
+    Returns:
+        A function that writes the saved slices back.
+    """
+    if kept._pending is None and distribution.replicas_in_sync() > 1:
+        return saved_here(kept.parts)
+    saved = kept.saved()
+    return lambda: kept.load(saved)
