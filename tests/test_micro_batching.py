@@ -90,6 +90,22 @@ def test_mirrored_strategy_equals_one_device_and_all_reduces_once_per_batch(mode
     assert_states_equal(first, second)
 
 
+@pytest.mark.parametrize("samples", (4 * B, 3 * B + 4), ids=("whole", "ragged"))
+@pytest.mark.parametrize("kind", ["token", "both"])
+def test_embeddings_under_mirrored_strategy_equal_plain_fit(kind, samples):
+    """Token and position lookups (their slices kept within each replica's
+    micro-batches) under two replicas equal plain fit on one device, a
+    ragged last batch (2 samples a replica) included."""
+    strategy = mirrored()
+    x, y = _data(kind, samples=samples)
+    reference = fit(_model(kind), OPTIMIZERS["adam"](), x, y, B)
+    with strategy.scope():
+        model, opt = _model(kind), accumulate(OPTIMIZERS["adam"](), micro_batch_size=4)
+    fit(model, opt, x, y, B)
+    assert int(opt.iterations.numpy()) == 4
+    assert_states_close(full_state(reference, reference.optimizer), full_state(model, opt))
+
+
 @pytest.mark.parametrize(
     ("size", "wrap", "compile_kwargs", "match"),
     (
