@@ -55,7 +55,6 @@ class Search:
         self.limit = limit
         self.size = chosen
         self.compilations = 0
-        self.predicted: int | None = None  # the first size, before any retry
 
     def start(self, batch: int, measure: Callable[[int], int] | None) -> int:
         """Chooses the size for batches of `batch` samples, where none is.
@@ -81,7 +80,6 @@ class Search:
                 )
             size = batch if measure is None else self._predicted(batch, measure)
             self._choose(_device().agreed(size), "predicted" if measure is not None else "probed from the batch")
-            self.predicted = self.size
         return self.size
 
     def smaller(self, batch: int, error: BaseException) -> int:

@@ -18,21 +18,28 @@ import pytest
 from gradaccum import accumulate, accumulating
 from gradaccum._auto_size import search_of
 from gradaccum._backend.micro_batches import out_of_memory_above
-from tests.helpers import BACKEND, JIT, as_int, assert_states_close, core_of, fit, full_state, make_data, make_mlp
+from tests.backends.test_micro_batching import _pair as _split_pair
+from tests.helpers import (
+    BACKEND,
+    JIT,
+    as_int,
+    assert_states_close,
+    core_of,
+    fit,
+    full_state,
+    internal_core,
+    make_data,
+    make_mlp,
+)
 
 B = 8
 
 
 def _pair(wrap, x, y, batch=B, make_model=make_mlp, **compile_kwargs):
-    """Plain `fit(batch_size=batch)` and the same with `wrap(optimizer)`:
-    `(reference_state, subject_state, reference_history, subject_history, subject_opt)`."""
-    runs = []
-    for make in (lambda: keras.optimizers.Adam(1e-2), lambda: wrap(keras.optimizers.Adam(1e-2))):
-        model, opt = make_model(), make()
-        fit(model, opt, x, y, batch, **compile_kwargs)
-        runs.append((full_state(model, opt), model.history.history, opt))
-    (reference, ref_history, _), (subject, history, opt) = runs
-    return reference, subject, ref_history, history, opt
+    """Plain `fit(batch_size=batch)` and the same with `wrap(optimizer)` (see
+    `tests.backends.test_micro_batching`)."""
+    return _split_pair(lambda: keras.optimizers.Adam(1e-2), None, x, y, make_model, wrap=wrap, batch=batch,
+                       **compile_kwargs)
 
 
 def _assert_logs_equal(ref_history, history):
@@ -143,10 +150,7 @@ def test_memory_limit_predicts_the_largest_size_that_fits():
         lambda o: accumulate(o, micro_batch_size="auto", memory_limit=limit), x, y, batch=batch,
         make_model=_wide_model, jit_compile=True,
     )
-    search = search_of(core_of(opt)._self_core)
-    assert search.predicted == 128 and search.compilations <= 3
-    # The first steps time 128 and 64 (both fit); the faster stays.
-    assert opt.micro_batch_size in (128, 64)
+    assert opt.micro_batch_size == 128 and search_of(internal_core(opt)).compilations <= 3
     assert_states_close(reference, subject)
     with pytest.raises(MemoryError, match=r"needs \d+ bytes .* has 1000 bytes \(memory_limit\)"):
         fit(_wide_model(), accumulate(keras.optimizers.Adam(1e-3), micro_batch_size="auto", memory_limit=1000),

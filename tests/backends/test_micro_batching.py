@@ -29,14 +29,16 @@ from tests.helpers.models import make_tokens_model as _tokens_model
 B = 8
 
 
-def _pair(make_optimizer, size, x, y, make_model=make_mlp, fit_kwargs=None, wrap=None, epochs=1, **compile_kwargs):
-    """Plain `fit(batch_size=B)` and the same with `micro_batch_size=size`:
+def _pair(make_optimizer, size, x, y, make_model=make_mlp, fit_kwargs=None, wrap=None, epochs=1, batch=B,
+          **compile_kwargs):
+    """Plain `fit(batch_size=batch)` and the same with `micro_batch_size=size`
+    (or `wrap(optimizer)`):
     `(reference_state, subject_state, reference_history, subject_history, subject_opt)`."""
     wrap = wrap or (lambda opt: accumulate(opt, micro_batch_size=size))
     runs = []
     for make in (make_optimizer, lambda: wrap(make_optimizer())):
         model, opt = make_model(), make()
-        fit(model, opt, x, y, B, epochs=epochs, fit_kwargs=fit_kwargs, **compile_kwargs)
+        fit(model, opt, x, y, batch, epochs=epochs, fit_kwargs=fit_kwargs, **compile_kwargs)
         runs.append((full_state(model, opt), model.history.history, opt))
     (reference, ref_history, _), (subject, history, opt) = runs
     return reference, subject, ref_history, history, opt

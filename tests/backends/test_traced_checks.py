@@ -31,6 +31,7 @@ from tests.helpers import (
     embedding_data,
     full_state,
     gradients,
+    internal_state,
     make_data,
     make_embedding_model,
     make_mlp,
@@ -47,7 +48,7 @@ def _state(model, opt):
     """Everything a micro-step may write: the model's and the optimizer's
     variables, and the accumulation state as held (not as shown)."""
     state = full_state(model, opt)
-    held = opt._self_core.state
+    held = internal_state(opt)
     if held is not None:
         for i, accumulator in enumerate(held.accumulators):
             state[f"held/accumulator{i}"] = keras.ops.convert_to_numpy(accumulator)

@@ -184,12 +184,17 @@ def settings_of(optimizer: Any) -> dict[str, Any]:
     return keras.saving.serialize_keras_object(optimizer)["config"]
 
 
+def internal_core(optimizer: Any) -> Any:
+    """The accumulating core behind `optimizer` (`gradaccum._core.Core`).
+    The one place tests read the proxy's internals."""
+    return core_of(optimizer)._self_core
+
+
 def internal_state(optimizer: Any) -> Any:
     """The accumulation state behind `optimizer` (`gradaccum._state.State`),
     for what `accumulation_state` does not show: the compensations of
-    `accumulator_dtype="bfloat16"`, the buffers of kept slices. The one
-    place tests read the proxy's internals."""
-    return core_of(optimizer)._self_core.state
+    `accumulator_dtype="bfloat16"`, the buffers of kept slices."""
+    return internal_core(optimizer).state
 
 
 def as_int(value: Any) -> int:
