@@ -59,6 +59,18 @@ def fail_once(optimizer) -> None:
             setattr(inner, name, failing(getattr(inner, name)))
 
 
+def _fails_then_retried(model, opt, batches, at, failing=None):
+    """Trains micro-batch `batches[at]` with the update of `failing` (the
+    accumulating optimizer, unless given) failing once: checks that nothing
+    changed, then trains `batches[at:]`."""
+    before = whole_state(model, opt)
+    fail_once(opt if failing is None else failing)
+    with pytest.raises(Injected):
+        train_steps(model, opt, batches[at : at + 1])
+    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
+    train_steps(model, opt, batches[at:])
+
+
 def _reference(batches, n):
     model = make_mlp()
     opt = keras.optimizers.Adam(1e-2)
@@ -74,12 +86,7 @@ def test_failed_apply_step_changes_nothing_and_its_retry_equals_the_large_batch(
     opt = accumulate(keras.optimizers.Adam(1e-2), 3, mode=mode)
     opt.build(model.trainable_variables)
     train_steps(model, opt, batches[:2])
-    before = whole_state(model, opt)
-    fail_once(opt)
-    with pytest.raises(Injected):
-        train_steps(model, opt, batches[2:3])
-    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
-    train_steps(model, opt, batches[2:])
+    _fails_then_retried(model, opt, batches, 2)
     assert_states_close(_reference(batches, 3), full_state(model, opt))
 
 
@@ -92,13 +99,8 @@ def test_failed_apply_step_puts_back_the_noise_scale_and_bfloat16_sums():
     opt = accumulate(keras.optimizers.Adam(1e-2), 3, noise_scale=True, accumulator_dtype="bfloat16")
     opt.build(model.trainable_variables)
     train_steps(model, opt, batches[:5])
-    before = whole_state(model, opt)
-    assert "noise_cycles" in before
-    fail_once(opt)
-    with pytest.raises(Injected):
-        train_steps(model, opt, batches[5:6])
-    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
-    train_steps(model, opt, batches[5:])
+    assert "noise_cycles" in whole_state(model, opt)
+    _fails_then_retried(model, opt, batches, 5)
     retried = whole_state(model, opt)
     model = make_mlp()
     opt = accumulate(keras.optimizers.Adam(1e-2), 3, noise_scale=True, accumulator_dtype="bfloat16")
@@ -241,12 +243,7 @@ def test_failed_apply_step_under_loss_scaling_changes_nothing(outside):
 
     model, opt, adam = make()
     train_steps(model, opt, batches[:2])
-    before = whole_state(model, opt)
-    fail_once(adam)
-    with pytest.raises(Injected):
-        train_steps(model, opt, batches[2:3])
-    assert_states_equal(before, whole_state(model, opt), "a failed apply step")
-    train_steps(model, opt, batches[2:])
+    _fails_then_retried(model, opt, batches, 2, failing=adam)
     never_failed, unfailed, _ = make()
     train_steps(never_failed, unfailed, batches)
     assert_states_equal(whole_state(never_failed, unfailed), whole_state(model, opt), "retried")
