@@ -2,7 +2,7 @@
 
 That both modes give the same bits for every optimizer and feature is the
 property in `property_tests/test_modes.py`; the `mode` argument itself is
-checked on every backend in `tests/backends/test_arguments.py`. Here:
+checked on every backend in `tests/arguments/test_arguments.py`. Here:
 `MirroredStrategy` with two replicas, how the masked update masks (no
 snapshot of all state for Keras 3 optimizers, the snapshot as fallback,
 nothing left behind), what the end of a cycle leaves for the next, and
