@@ -12,7 +12,7 @@ import tf_keras
 
 from gradaccum import accumulate
 from gradaccum.callbacks import FlushPartialCycle, GradientNoiseScale
-from tests.backends.test_atomic_steps import Injected, fail_once
+from tests.atomic_steps.test_atomic_steps import Injected, fail_once
 from tests.helpers import (
     MODES,
     assert_states_close,

@@ -1,5 +1,5 @@
 """A TensorFlow step that fails changes nothing (every backend's eager
-cases: `tests/backends/test_atomic_steps.py`).
+cases: `tests/atomic_steps/test_atomic_steps.py`).
 
 A `tf.function` runs its ops in data order, not program order: a micro-step
 whose loss fails an assertion, or whose gradient the trace left without a
@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from gradaccum import accumulate
-from tests.backends.test_atomic_steps import Injected, fail_once
+from tests.atomic_steps.test_atomic_steps import Injected, fail_once
 from tests.helpers import (
     MODES,
     assert_states_close,
