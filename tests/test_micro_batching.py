@@ -11,7 +11,7 @@ import pytest
 from gradaccum import accumulate
 from tests.helpers import MODES, assert_states_close, assert_states_equal, fit, full_state, make_data, make_mlp
 from tests.helpers.distribute import mirrored, replica_states
-from tests.test_communication import gradient_all_reduces as _gradient_all_reduces
+from tests.distribution.test_communication_tensorflow import gradient_all_reduces as _gradient_all_reduces
 from tests.test_sparse_exact import OPTIMIZERS, _data, _model
 
 B, SIZE = 8, 3

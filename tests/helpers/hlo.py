@@ -1,7 +1,7 @@
 """The all-reduces of an optimized HLO module (JAX's compiled text).
 
 Shared by the test that a cycle exchanges gradients once
-(`tests/backends/test_data_parallel_local.py`) and the benchmark that
+(`tests/distribution/test_data_parallel_local.py`) and the benchmark that
 counts the bytes exchanged (`benchmarks/jax_collectives.py`).
 """
 

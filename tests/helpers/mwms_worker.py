@@ -1,6 +1,6 @@
 """One worker of a two-process MultiWorkerMirroredStrategy run (for tests).
 
-Started by `tests/test_multi_worker.py` with `TF_CONFIG` naming two workers on
+Started by `tests/distribution/test_multi_worker_tensorflow.py` with `TF_CONFIG` naming two workers on
 127.0.0.1. Trains `accumulate(Adam, n)` with a custom `strategy.run` loop and
 then with `model.fit`, records this worker's variables after every
 micro-step, and writes everything to the `.npz` file named on the command

@@ -1,6 +1,6 @@
 """One process of a two-process JAX `DataParallel` run (for tests).
 
-Started by `tests/test_jax_processes.py`: joins the other process through
+Started by `tests/distribution/test_processes_jax.py`: joins the other process through
 `jax.distributed.initialize` on 127.0.0.1 (CPU collectives over loopback),
 trains `accumulate(Adam, n)` with `model.fit` under `DataParallel` over both
 processes' devices, each process feeding its half of every micro-batch, and
@@ -8,7 +8,7 @@ writes its weights and optimizer variables (replicated: each process holds
 them whole) to the `.npz` file named on the command line. It also records
 whether a train step fell back to all-reducing its gradients per micro-step.
 
-    python -m tests.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz
+    python -m tests.distribution.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Two JAX processes on 127.0.0.1, `DataParallel` over both: `fit` with
 gradaccum equals one device on the large batch.
 
-Starts two `tests.jax_process_worker` processes (a free loopback port for
+Starts two `tests.distribution.jax_process_worker` processes (a free loopback port for
 JAX's coordinator; the CPU collectives run over loopback too), waits for
 both under one deadline, killing both on timeout or failure, and compares
 what each trained with a reference trained here on one device: the plain
@@ -17,7 +17,7 @@ import keras
 import numpy as np
 import pytest
 
-from tests import jax_process_worker as worker
+from tests.distribution import jax_process_worker as worker
 from tests.helpers import assert_states_close, fit, full_state, make_mlp
 from tests.helpers.processes import free_loopback_ports, process_env, run_processes
 
@@ -33,7 +33,7 @@ def _run(tmp_path: Path) -> list[dict[str, np.ndarray]]:
     # One CPU device per process: no XLA_FLAGS.
     env = process_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
     return run_processes(
-        "tests.jax_process_worker", lambda i, output: [str(port), str(i), str(output)], lambda i: env,
+        "tests.distribution.jax_process_worker", lambda i, output: [str(port), str(i), str(output)], lambda i: env,
         tmp_path, DEADLINE_S,
     )
 

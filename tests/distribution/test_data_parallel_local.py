@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate
-from tests.backends.test_distribution import two_devices
+from tests.distribution.test_distribution import two_devices
 from tests.helpers import BACKEND, MODES, assert_states_close, fit, full_state, gradients, make_data, make_mlp
 from tests.helpers.hlo import all_reduces
 from tests.helpers.models import TOKENS_T as T
@@ -367,7 +367,7 @@ def test_a_forward_pass_that_changes_non_trainable_variables_falls_back_with_a_w
 
 def test_model_parallel_on_a_2x2_mesh_in_a_process_of_its_own():
     """Both mesh axes real: the kernels sharded over "model", the batch over
-    "batch" (tests/model_parallel_worker.py, on four host devices)."""
+    "batch" (tests/distribution/model_parallel_worker.py, on four host devices)."""
     import os
     import subprocess
     import sys
@@ -376,7 +376,7 @@ def test_model_parallel_on_a_2x2_mesh_in_a_process_of_its_own():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     result = subprocess.run(
-        [sys.executable, "-m", "tests.model_parallel_worker"], cwd=root, env=env, capture_output=True, text=True,
+        [sys.executable, "-m", "tests.distribution.model_parallel_worker"], cwd=root, env=env, capture_output=True, text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

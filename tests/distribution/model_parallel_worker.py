@@ -1,9 +1,9 @@
 """A 2 x 2 mesh on four JAX host devices (for tests): the batch split over
 "batch", the kernels over "model". Started by
-`tests/backends/test_data_parallel_local.py` in a process of its own, since
+`tests/distribution/test_data_parallel_local.py` in a process of its own, since
 the number of host devices is fixed when JAX starts.
 
-    python -m tests.model_parallel_worker
+    python -m tests.distribution.model_parallel_worker
 
 Exits 0 when `fit` with gradaccum equals one device on the large batch,
 without falling back, with device-local accumulators sharded over both axes
@@ -22,7 +22,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 
 from gradaccum import accumulate  # noqa: E402
-from tests.backends.test_data_parallel_local import FALLBACK, _all_reduces, _optimized_train_step  # noqa: E402
+from tests.distribution.test_data_parallel_local import FALLBACK, _all_reduces, _optimized_train_step  # noqa: E402
 from tests.helpers import assert_states_close, fit, full_state, make_data, make_mlp  # noqa: E402
 
 N, B = 4, 8
