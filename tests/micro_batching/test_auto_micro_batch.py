@@ -18,7 +18,7 @@ import pytest
 from gradaccum import accumulate, accumulating
 from gradaccum._auto_size import search_of
 from gradaccum._backend.micro_batches import out_of_memory_above
-from tests.backends.test_micro_batching import _pair as _split_pair
+from tests.micro_batching.test_micro_batching import _pair as _split_pair
 from tests.helpers import (
     BACKEND,
     JIT,
@@ -37,7 +37,7 @@ B = 8
 
 def _pair(wrap, x, y, batch=B, make_model=make_mlp, **compile_kwargs):
     """Plain `fit(batch_size=batch)` and the same with `wrap(optimizer)` (see
-    `tests.backends.test_micro_batching`)."""
+    `tests.micro_batching.test_micro_batching`)."""
     return _split_pair(lambda: keras.optimizers.Adam(1e-2), None, x, y, make_model, wrap=wrap, batch=batch,
                        **compile_kwargs)
 
