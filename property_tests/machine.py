@@ -26,7 +26,7 @@ On JAX and PyTorch the machine runs the same rules eagerly, with these differenc
 has `tf.IndexedSlices`), checkpoints are the Keras-file stores
 (`save_own_variables`/`load_own_variables`) instead of `tf.train.Checkpoint`,
 counters are read eagerly only, and on JAX no loss-scale optimizer joins in
-(Keras's cannot run eagerly there; see `tests/backends/test_mixed_precision.py`).
+(Keras's cannot run eagerly there; see `tests/mixed_precision/test_mixed_precision.py`).
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ def cases(
         modes = ("eager",) + EXECUTIONS
     if loss_scales is None:
         # On JAX Keras's loss-scale optimizer cannot run eagerly (its `apply`
-        # is a stateful `ops.cond`); tests/backends/test_mixed_precision.py
+        # is a stateful `ops.cond`); tests/mixed_precision/test_mixed_precision.py
         # covers it through `fit` and `stateless_apply`.
         loss_scales = (None,) if BACKEND == "jax" else (None, None, None, "accumulate_lso", "lso_accumulate")
     mode = draw(st.sampled_from(modes))

@@ -120,7 +120,7 @@ def test_fit_in_the_block_under_mixed_precision():
             _fit(task, B)
     assert isinstance(task.optimizer, keras.optimizers.LossScaleOptimizer)
     assert issubclass(type(task.optimizer), AccumulatingOptimizer)
-    # float16 rounding, as in tests/test_mixed_precision.py: ~3e-5 measured,
+    # float16 rounding, as in tests/mixed_precision/test_mixed_precision_tensorflow.py: ~3e-5 measured,
     # a missing accumulation moves values by ~lr = 1e-2.
     # The loss scale's growth counter counts finite micro-batches (see the
     # README), the large batch's counts batches.

@@ -43,7 +43,7 @@ class TfKerasAccumulationMachine(MachineBase):
         # loss-scale optimizer's first `apply_gradients`, it would first know
         # only the variables that had gradients then (a new tf_keras
         # optimizer refuses the others later; an OptimizerV2 adds them, see
-        # tests/tf_keras/test_mixed_precision.py).
+        # tests/mixed_precision/test_mixed_precision_tf_keras.py).
         inner = self.spec.make()
         core = accumulate(inner, self.n, **self._accumulate_kwargs())
         core.build(self.vars)

@@ -1,7 +1,7 @@
 """A non-finite micro-batch under a LossScaleOptimizer, in a `tf.function` loop.
 
 Mixed-precision `fit`, both wrapping orders and the eager loop are tested on
-every backend in `tests/backends/test_mixed_precision.py`.
+every backend in `tests/mixed_precision/test_mixed_precision.py`.
 """
 
 import keras
