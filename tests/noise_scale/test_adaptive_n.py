@@ -10,7 +10,7 @@ import pytest
 
 from gradaccum import accumulate
 from gradaccum.schedules import from_noise_scale
-from tests.backends.test_noise_scale import D, _regression
+from tests.noise_scale.test_noise_scale import D, _regression
 from tests.helpers import assert_states_close, full_state, settings_of
 
 B = 4

@@ -9,7 +9,7 @@ import keras
 import pytest
 
 from gradaccum import accumulate
-from tests.backends.test_noise_scale import (
+from tests.noise_scale.test_noise_scale import (
     ANALYTIC,
     _measured,
     _regression,
