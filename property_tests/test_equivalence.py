@@ -141,7 +141,7 @@ def test_checkpoint_restore_at_a_drawn_micro_step_changes_nothing(case, data):
     step; its final state must equal the uninterrupted run's exactly.
     """
     # Keras's own ScheduleFreeAdamW loses restored momenta when it is built
-    # after the restore (tests/test_state.py pins that on the plain optimizer
+    # after the restore (tests/saving/test_saving_tensorflow.py pins that on the plain optimizer
     # and checks that the accumulating one does the same); left out here.
     assume(not (case.optimizer.family == "ScheduleFreeAdamW" and not case.build_first))
     stop = data.draw(st.integers(1, case.micro_steps), label="stop")

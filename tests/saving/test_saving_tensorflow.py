@@ -3,7 +3,7 @@
 `tf.train.Checkpoint`, `BackupAndRestore`, `ModelCheckpoint`, exports, and
 files loaded into an optimizer not built yet in every wrapping with a
 loss-scale optimizer. Keras files and configs as every backend has them:
-`tests/backends/test_saving.py`.
+`tests/saving/test_saving.py`.
 """
 
 import os
@@ -297,7 +297,7 @@ def _uninterrupted_loaded(mode, wrap):
 @pytest.mark.parametrize(
     "mode, wrap, how",
     # A weights file into the bare core, in both modes, is
-    # tests/backends/test_saving.py::test_weights_file_loaded_before_the_build_resumes_bit_for_bit.
+    # tests/saving/test_saving.py::test_weights_file_loaded_before_the_build_resumes_bit_for_bit.
     [("masked", wrap, how) for wrap in ("core", "front", "outer")
      for how in ("weights_h5", "keras", "checkpoint") if (wrap, how) != ("core", "weights_h5")]
     # Skip mode: each wrapping and each way of saving once.
