@@ -40,7 +40,7 @@ def test_eager_accumulation_is_the_summed_micro_gradients_bit_for_bit(case):
     subject adds `tf.IndexedSlices` into rows (`sparse="rows"`): kept as
     slices (the default), they reach the optimizer as slices, as in the
     large batch, not as the sum this reference takes, and some optimizers
-    (Adafactor) round those otherwise (`tests/test_sparse_exact.py` holds
+    (Adafactor) round those otherwise (`tests/sparse/test_sparse_exact_tensorflow.py` holds
     them to the large batch).
     """
     assume(case.unique_ids or case.model.kind != "embedding")

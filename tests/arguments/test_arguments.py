@@ -139,7 +139,7 @@ def test_config_round_trip_keeps_the_mode(setting):
 
 def test_sparse_slices_is_refused_by_name_off_tensorflow():
     if BACKEND == "tensorflow":
-        pytest.skip("TensorFlow keeps slices (tests/test_sparse.py)")
+        pytest.skip("TensorFlow keeps slices (tests/sparse/test_sparse_tensorflow.py)")
     with pytest.raises(ValueError, match="sparse='slices'.*TensorFlow"):
         accumulate(keras.optimizers.SGD(1e-2), 2, sparse="slices")
 

@@ -49,7 +49,7 @@ class TokenModel(keras.Model):
 
 def _graph():
     # Dense features per token (an Embedding's sparse gradient is another
-    # matter: tests/test_sparse.py).
+    # matter: tests/sparse/test_sparse_tensorflow.py).
     inputs = keras.Input((T, 5))
     h = keras.layers.Dense(8, activation="tanh", name="hidden")(inputs)
     return inputs, keras.layers.Dense(VOCAB, name="out")(h)
