@@ -34,7 +34,7 @@ Cases:
   trains at all (its error, and whether it is a `merge_call` inside a
   conditional).
 
-Nothing here runs in the tests; `tests/test_keras_defects.py` and the
+Nothing here runs in the tests; `tests/keras_parity/test_keras_defects_tensorflow.py` and the
 tests of each feature check gradaccum's side of every row.
 """
 

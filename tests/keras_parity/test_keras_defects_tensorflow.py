@@ -42,7 +42,7 @@ B = 4  # micro-batch size
 
 # ----------------------------------------------------------------------
 # A float8 model saved as `.keras` loads again, and resumes mid-cycle (its
-# cycle maxima in fit: tests/backends/test_overwrite_with_gradient.py).
+# cycle maxima in fit: tests/keras_parity/test_overwrite_with_gradient.py).
 
 
 F8_N, F8_CYCLES = 4, 3
