@@ -83,7 +83,7 @@ def test_traced_loop_whose_none_pattern_changes_is_exact_or_refused(case):
     Drawn so that a head, once in the loss, is in it at least once in every
     later cycle: this property is about stale traces; a variable without a
     gradient in a whole cycle is drawn eagerly by the other properties, and
-    traced in tests/test_semantics.py.
+    traced in tests/training/test_semantics_tensorflow.py.
     """
     assume(_every_seen_head_in_every_later_cycle(case))
     reference, _, _ = run_reference(case)

@@ -53,7 +53,7 @@ def _table_slices(shape: tuple[int, int]) -> tuple:
 def _first_traced_step(sparse: str) -> tuple:
     """A gradient for every variable: every variable takes part before any
     step is traced (a trace made before a variable took part refuses to
-    apply it, in both modes alike; tests/test_semantics.py)."""
+    apply it, in both modes alike; tests/training/test_semantics_tensorflow.py)."""
     first = [("dense", np.ones(shape, np.float32), None) for _, shape in VARIABLES]
     if sparse == "slices":
         first[SPARSE] = _table_slices(VARIABLES[SPARSE][1])

@@ -26,7 +26,7 @@ BACKEND = keras.config.backend()
 
 # `jit_compile` values `fit` is tested with where the backend decides: JAX
 # traces with and without XLA; PyTorch runs eagerly; TensorFlow's own
-# suite covers its execution modes (tests/test_semantics.py), so one
+# suite covers its execution modes (tests/training/test_semantics_tensorflow.py), so one
 # suffices there.
 JIT = {"jax": (True, False)}.get(BACKEND, (False,))
 

@@ -33,7 +33,7 @@ N, B, CYCLES = 3, 4, 3
 
 
 # ----------------------------------------------------------------------
-# Execution modes (graph mode: tests/backends/test_fit.py).
+# Execution modes (graph mode: tests/training/test_fit.py).
 
 COMPILE_MODES = {
     "run_eagerly": {"run_eagerly": True},
@@ -63,7 +63,7 @@ LOOPS = {
 
 @pytest.mark.parametrize(
     "loop, entry, mode",
-    # Eagerly through `apply`: tests/backends/test_loops.py.
+    # Eagerly through `apply`: tests/training/test_loops.py.
     [("eager", "apply_gradients", "masked")]
     + [("tf_function", entry, "masked") for entry in ("apply", "apply_gradients")]
     + [("tf_function_jit", entry, mode) for entry in ("apply", "apply_gradients")

@@ -28,7 +28,7 @@ from tests.helpers import (
     train_steps,
     whole_state,
 )
-from tests.tf_keras.test_optimizers import LEGACY_OPTIMIZERS, OPTIMIZERS
+from tests.training.test_optimizers_tf_keras import LEGACY_OPTIMIZERS, OPTIMIZERS
 
 new = tf_keras.optimizers
 legacy = tf_keras.optimizers.legacy

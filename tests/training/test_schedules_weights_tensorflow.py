@@ -3,7 +3,7 @@ cycle, in traced steps, checkpoints and under MirroredStrategy.
 
 References: the plain optimizer applied to the gradient of the large batch
 each update is meant to see (its micro-batches concatenated), from the same
-initial weights. Eager loops on every backend: `tests/backends/test_loops.py`.
+initial weights. Eager loops on every backend: `tests/training/test_loops.py`.
 """
 
 import warnings
@@ -202,7 +202,7 @@ def test_schedule_checkpoint_refuses_an_int_n(tmp_path):
 
 @pytest.mark.parametrize(
     "loop, entry",
-    # Eagerly through `apply`: tests/backends/test_loops.py.
+    # Eagerly through `apply`: tests/training/test_loops.py.
     [("eager", "apply_gradients"), ("tf_function", "apply_gradients"), ("tf_function", "apply")],
 )
 def test_ragged_micro_batches_weighted_by_size_equal_the_large_batch(loop, entry):
