@@ -277,7 +277,7 @@ def test_a_bad_update_freq_is_refused(update_freq, error):
 
 @pytest.mark.skipif(BACKEND != "torch", reason="PyTorch keeps the cycle's position on the host")
 def test_measuring_reads_nothing_back_per_micro_step():
-    from tests.backends.test_host_reads import counting_reads
+    from tests.architecture.test_host_reads import counting_reads
 
     with counting_reads() as reads:
         ref, acc, _, opt = fit_pair(
