@@ -3,7 +3,7 @@ for bit the plain optimizer on the summed micro-gradients, traced steps that
 meet a variable late, and `tf.train.Checkpoint` at any micro-step.
 
 The large-batch equivalence itself, drawn on every backend (TensorFlow's
-executions included), is `property_tests/backends/test_equivalence.py`.
+executions included), is `property_tests/equivalence/test_equivalence.py`.
 """
 
 from __future__ import annotations
