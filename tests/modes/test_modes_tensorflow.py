@@ -1,7 +1,7 @@
 """`mode="masked"` and `mode="skip"` on TensorFlow: how each runs, and that both are exact.
 
 That both modes give the same bits for every optimizer and feature is the
-property in `property_tests/test_modes.py`; the `mode` argument itself is
+property in `property_tests/test_modes_tensorflow.py`; the `mode` argument itself is
 checked on every backend in `tests/arguments/test_arguments.py`. Here:
 `MirroredStrategy` with two replicas, how the masked update masks (no
 snapshot of all state for Keras 3 optimizers, the snapshot as fallback,

@@ -5,7 +5,7 @@ graph mode, eager loops) is in `tests/backends`; here: `run_eagerly`, XLA,
 `steps_per_execution`, `tf.function` loops, traces that meet new variables,
 and the proxy's face to other code. The mode ("masked" or "skip") is a
 parameter where XLA compiles the update; elsewhere both modes give the same
-bits (`property_tests/test_modes.py`).
+bits (`property_tests/test_modes_tensorflow.py`).
 """
 
 import keras
