@@ -1,4 +1,9 @@
-"""Hypothesis profiles for the property suite, and TensorFlow set-up.
+"""Hypothesis profiles for the property suite, which files this process
+collects, and TensorFlow set-up.
+
+A file's name says where it runs, as under `tests/` (see `tests/conftest.py`):
+`test_x.py` on every Keras 3 backend, `test_x_tensorflow.py` on TensorFlow
+only and `test_x_tf_keras.py` under tf_keras only.
 
 Profiles (select with the `HYPOTHESIS_PROFILE` environment variable):
 
@@ -24,7 +29,7 @@ if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
 
     # Same device layout as tests/conftest.py (two logical CPUs), whichever
     # of the two directories is collected first; single-device code runs on
-    # /cpu:0. (On JAX and PyTorch only `property_tests/backends` runs.)
+    # /cpu:0.
     try:
         _cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
@@ -32,6 +37,9 @@ if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
         )
     except RuntimeError:  # already initialised by the other conftest
         pass
+
+# After TensorFlow's set-up: importing the helpers imports Keras.
+from tests.helpers.collection import pytest_ignore_collect  # noqa: E402, F401  (the hook)
 
 _COMMON = dict(
     # Tracing a tf.function takes longer than Hypothesis's default deadline.

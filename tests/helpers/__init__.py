@@ -6,7 +6,8 @@ The names below import on every backend. The other modules are imported by
 name: `distribute` (`tf.distribute`: replicas, custom loops) and `growing`
 (an OptimizerV2 that meets variables late) need TensorFlow; `agc` is the
 NumPy reference of adaptive gradient clipping, `processes` runs code in a
-fresh interpreter, `legacy` says whether this process runs tf_keras;
+fresh interpreter, `legacy` says whether this process runs tf_keras and
+`collection` which test files it collects;
 `third_party_trainer` stands in for training code users do not own and
 `mwms_worker` is one worker of a multi-worker run.
 """
