@@ -53,7 +53,7 @@ def test_numpy_backend_refuses_in_a_fresh_process():
     assert "'numpy'" in out and "cannot train" in out, out
 
 
-@pytest.mark.skipif(BACKEND == "tensorflow", reason="the layer runs on TensorFlow (tests/batch_norm/test_batch_norm_tensorflow.py)")
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="the layer runs on TensorFlow (tests/batch_norm)")
 def test_the_batch_normalization_layer_is_refused_by_name():
     from gradaccum.layers import BatchNormalization
 

@@ -376,7 +376,7 @@ def test_model_parallel_on_a_2x2_mesh_in_a_process_of_its_own():
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     result = subprocess.run(
-        [sys.executable, "-m", "tests.distribution.model_parallel_worker"], cwd=root, env=env, capture_output=True, text=True,
-        timeout=300,
+        [sys.executable, "-m", "tests.distribution.model_parallel_worker"], cwd=root, env=env, capture_output=True,
+        text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]

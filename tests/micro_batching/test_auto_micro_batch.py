@@ -18,7 +18,6 @@ import pytest
 from gradaccum import accumulate, accumulating
 from gradaccum._auto_size import search_of
 from gradaccum._backend.micro_batches import out_of_memory_above
-from tests.micro_batching.test_micro_batching import _pair as _split_pair
 from tests.helpers import (
     BACKEND,
     JIT,
@@ -31,6 +30,7 @@ from tests.helpers import (
     make_data,
     make_mlp,
 )
+from tests.micro_batching.test_micro_batching import _pair as _split_pair
 
 B = 8
 

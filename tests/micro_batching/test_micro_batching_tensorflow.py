@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate
+from tests.distribution.test_communication_tensorflow import gradient_all_reduces as _gradient_all_reduces
 from tests.helpers import MODES, assert_states_close, assert_states_equal, fit, full_state, make_data, make_mlp
 from tests.helpers.distribute import mirrored, replica_states
-from tests.distribution.test_communication_tensorflow import gradient_all_reduces as _gradient_all_reduces
 from tests.sparse.test_sparse_exact_tensorflow import OPTIMIZERS, _data, _model
 
 B, SIZE = 8, 3

@@ -10,8 +10,8 @@ import pytest
 
 from gradaccum import accumulate
 from gradaccum.schedules import from_noise_scale
-from tests.noise_scale.test_noise_scale import D, _regression
 from tests.helpers import assert_states_close, full_state, settings_of
+from tests.noise_scale.test_noise_scale import D, _regression
 
 B = 4
 

@@ -9,6 +9,8 @@ import keras
 import pytest
 
 from gradaccum import accumulate
+from tests.helpers import MODES
+from tests.helpers.distribute import mirrored
 from tests.noise_scale.test_noise_scale import (
     ANALYTIC,
     _measured,
@@ -17,8 +19,6 @@ from tests.noise_scale.test_noise_scale import (
     assert_same_estimates,
     embedding_noise,
 )
-from tests.helpers import MODES
-from tests.helpers.distribute import mirrored
 
 
 def test_two_replicas_measure_the_analytic_noise_scale_of_linear_regression():
