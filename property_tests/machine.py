@@ -1,7 +1,7 @@
 """A state machine against a plain-Python model of the accumulation.
 
-Shared by the Keras 3 machine (`backends/test_state_machine.py`, on every
-backend) and the tf_keras one (`tf_keras/test_state_machine.py`); each
+Shared by the Keras 3 machine (`test_state_machine.py`, on every backend)
+and the tf_keras one (`test_state_machine_tf_keras.py`); each
 supplies its optimizer family.
 
 Hypothesis interleaves micro-steps (dense, sparse and `None` gradients,

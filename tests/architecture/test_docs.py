@@ -4,8 +4,8 @@ README.md and of the pages under docs/, each in a fresh interpreter.
 A block runs on the Keras backend it sets (`os.environ["KERAS_BACKEND"] =
 ...`), TensorFlow otherwise, in the environment whose backend that is: the
 `keras3` environment runs the TensorFlow blocks, `keras3-jax` and
-`keras3-torch` the others (this file is under tests/backends, which all three
-collect). Blocks for a backend not active here are skipped with that reason.
+`keras3-torch` the others (this file's name has no backend's suffix, so all
+three collect it). Blocks for a backend not active here are skipped with that reason.
 
 An HTML comment on the line before a fence (invisible on GitHub and on the
 site) changes how a block runs:

@@ -108,7 +108,7 @@ def test_non_finite_micro_batch_dropped_on_every_replica(kind):
 def test_growing_under_mirrored_strategy(mode, kind, traced):
     """`LSO(accumulate(legacy_opt))` unbuilt under two replicas, with a
     variable first met on an in-between micro-step (see the single-device
-    test in `test_mixed_precision`): each replica gets half of each
+    test in `test_mixed_precision_tf_keras`): each replica gets half of each
     micro-gradient, so their all-reduced sum is the single-device one and
     the states agree bit for bit. Traced, one `tf.function` per gradient
     pattern (each adds variables on its first trace only)."""

@@ -17,7 +17,7 @@ from gradaccum import AccumulatingOptimizer, accumulate
 from tests.helpers import assert_states_close, dtype_policy, full_state
 
 N, B, CYCLES, T, VOCAB = 3, 4, 3, 6, 11
-# Half-precision rounding, as in test_mixed_precision.py: the micro-batch and
+# Half-precision rounding, as in test_mixed_precision.py beside this file: the micro-batch and
 # large-batch runs round different partial sums to float16's 10-bit mantissa
 # (measured there: 2.7e-5 absolute between equivalent runs); a real bug moves
 # values by about the learning rate, 1e-2.

@@ -223,7 +223,7 @@ def test_a_cycle_writes_over_the_sums_the_last_one_left(tmp_path, saved, loaded,
     fit(ref_model, ref_opt, x, y, B * N, jit_compile=jit)
 
     # sparse="rows": the embedding's slices go into its accumulator (the
-    # default keeps them in buffers of their own, tested in test_sparse_exact).
+    # default keeps them in buffers of their own, tested in tests/sparse).
     model, opt = make_embedding_model(), accumulate(make(), N, mode=saved, sparse="rows")
     fit(model, opt, x[:half], y[:half], B, jit_compile=jit)
     path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "ckpt"))

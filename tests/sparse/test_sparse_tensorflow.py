@@ -7,7 +7,7 @@ second moment) and computes `global_clipnorm` over the slices, so on the
 large batch these depend on how the rows repeat. `sparse="slices"` keeps the
 cycle's slices and equals the large batch; `sparse="rows"` adds them into
 rows, which equals it only for updates linear in the gradient. (The default,
-`sparse="auto"`, is tested in `test_sparse_exact.py`.)
+`sparse="auto"`, is tested in `test_sparse_exact_tensorflow.py`.)
 """
 
 import copy

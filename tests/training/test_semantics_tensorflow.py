@@ -1,9 +1,9 @@
 """TensorFlow's execution modes, traced loops and edge cases equal large batch.
 
 What every backend shares (the optimizers, per-update features, `fit` in
-graph mode, eager loops) is in `tests/backends`; here: `run_eagerly`, XLA,
-`steps_per_execution`, `tf.function` loops, traces that meet new variables,
-and the proxy's face to other code. The mode ("masked" or "skip") is a
+graph mode, eager loops) is in `test_fit.py` and `test_loops.py` beside
+this file; here: `run_eagerly`, XLA, `steps_per_execution`, `tf.function`
+loops, traces that meet new variables, and the proxy's face to other code. The mode ("masked" or "skip") is a
 parameter where XLA compiles the update; elsewhere both modes give the same
 bits (`property_tests/test_modes_tensorflow.py`).
 """
