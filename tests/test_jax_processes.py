@@ -28,12 +28,13 @@ pytestmark = pytest.mark.skipif(keras.config.backend() != "jax", reason="JAX's m
 DEADLINE_S = 150
 
 
-def _run(tmp_path: Path) -> list[dict[str, np.ndarray]]:
+def _run(tmp_path: Path, memory_limits: tuple[int, int] | None = None) -> list[dict[str, np.ndarray]]:
     port = free_loopback_ports(1)[0]
     # One CPU device per process: no XLA_FLAGS.
     env = process_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
+    limit = (lambda i: [str(memory_limits[i])]) if memory_limits else (lambda i: [])
     return run_processes(
-        "tests.jax_process_worker", lambda i, output: [str(port), str(i), str(output)], lambda i: env,
+        "tests.jax_process_worker", lambda i, output: [str(port), str(i), str(output), *limit(i)], lambda i: env,
         tmp_path, DEADLINE_S,
     )
 
@@ -49,6 +50,29 @@ def test_fit_over_two_processes_equals_one_device_on_the_large_batch(tmp_path):
     for result in results:
         # The accumulators were device-local, and no step fell back to an
         # all-reduce per micro-step.
+        assert not result.pop("fell_back")
+        assert int(result.pop("local_accumulators")) == len(reference.trainable_variables)
+        assert int(result["iterations"]) == worker.CYCLES
+        assert_states_close(expected, result)
+
+
+def test_auto_micro_batch_size_is_agreed_by_processes_given_different_limits(tmp_path):
+    """Process 0 has room for the whole batch, process 1 not: XLA's analysis
+    of this step on the CPU gives ~107 kB for the whole batch of 32 and
+    ~96 kB split in micro-batches of 16. Both trace the smaller size (else
+    their programs' collectives differ and the run fails) and train as one
+    device on the large batch."""
+    batch = worker.MICRO_BATCH * worker.N
+    x, y = worker.data()
+    reference = make_mlp(widths=worker.AUTO_WIDTHS)
+    reference_opt = keras.optimizers.Adam(worker.LR)
+    fit(reference, reference_opt, x, y, batch)
+    expected = full_state(reference, reference_opt)
+
+    results = _run(tmp_path, memory_limits=(2**40, 100_000))
+    sizes = [int(result.pop("micro_batch_size")) for result in results]
+    assert sizes[0] == sizes[1] < batch, sizes
+    for result in results:
         assert not result.pop("fell_back")
         assert int(result.pop("local_accumulators")) == len(reference.trainable_variables)
         assert int(result["iterations"]) == worker.CYCLES
