@@ -10,13 +10,18 @@ whether a train step fell back to all-reducing its gradients per micro-step.
 
 Given a `MEMORY_LIMIT`, it trains `accumulate(Adam, micro_batch_size="auto",
 memory_limit=MEMORY_LIMIT)` instead, on batches of `MICRO_BATCH * N` (each
-process feeding its half of every batch), and records the size chosen.
+process feeding its half of every batch), and records the size chosen; given
+`OUT_OF_MEMORY_ABOVE` too, its train step runs out of memory above that size
+(`out_of_memory_above`). A `MemoryError` from `fit` is recorded (`error`)
+and the process leaves at once: the other may be waiting inside a collective.
 
-    python -m tests.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz [MEMORY_LIMIT]
+    python -m tests.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz [MEMORY_LIMIT [OUT_OF_MEMORY_ABOVE]]
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 
@@ -61,7 +66,9 @@ def _collectives_on_loopback() -> None:
     )
 
 
-def main(port: str, process: int, output: str, memory_limit: int | None = None) -> None:
+def main(
+    port: str, process: int, output: str, memory_limit: int | None = None, out_of_memory_above: int | None = None
+) -> None:
     """Trains and writes the state (the test process sets `KERAS_BACKEND=jax`
     and no `XLA_FLAGS`: one CPU device per process)."""
     import jax
@@ -79,6 +86,7 @@ def main(port: str, process: int, output: str, memory_limit: int | None = None) 
     import numpy as np
 
     from gradaccum import accumulate
+    from gradaccum._backend.micro_batches import out_of_memory_above as injected
     from tests.helpers import full_state, make_mlp
 
     assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
@@ -93,10 +101,16 @@ def main(port: str, process: int, output: str, memory_limit: int | None = None) 
         opt = accumulate(keras.optimizers.Adam(LR), micro_batch_size="auto", memory_limit=memory_limit)
         batch = MICRO_BATCH * N
     model.compile(optimizer=opt, loss="mse")
-    with warnings.catch_warnings(record=True) as caught:
+    running_out = injected(out_of_memory_above) if out_of_memory_above is not None else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, running_out:
         warnings.simplefilter("always")
-        model.fit(process_share(x, process, batch=batch), process_share(y, process, batch=batch),
-                  batch_size=batch // 2, shuffle=False, verbose=0)
+        try:
+            model.fit(process_share(x, process, batch=batch), process_share(y, process, batch=batch),
+                      batch_size=batch // 2, shuffle=False, verbose=0)
+        except MemoryError as error:
+            print(f"MemoryError: {error}", flush=True)
+            np.savez(output, error=np.asarray(str(error)))
+            os._exit(0)
     fell_back = any("all-reduced on every micro-step" in str(w.message) for w in caught)
     local = [v for v in opt.variables if "gradaccum_accumulator" in v.path]
     state = full_state(model, opt)
@@ -109,4 +123,4 @@ def main(port: str, process: int, output: str, memory_limit: int | None = None) 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:5]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:6]))

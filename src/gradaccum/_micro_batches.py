@@ -100,6 +100,7 @@ def make_train_function(wrapped: Callable[..., Any], instance: Any, args: tuple,
     function = getattr(instance, "train_function", None)
     auto = core is not None and core.settings.micro_batch_size == "auto"
     if auto and function is not None and not isinstance(function, Retrying):
+        _device().check_one_replica(instance)
         instance.train_function = Retrying(instance, core, function)
     return result
 

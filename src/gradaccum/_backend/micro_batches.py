@@ -214,6 +214,29 @@ def step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> int:
     )
 
 
+def check_one_replica(model: Any) -> None:
+    """Raises where `micro_batch_size="auto"` would choose under a
+    `tf.distribute` strategy of several replicas: its train function takes
+    each replica's share of a batch, and its sizes would have to be shares
+    that every replica and worker agrees on.
+
+    Raises:
+        ValueError: Naming the strategy's replicas and what to pass instead.
+    """
+    from gradaccum._backend import active
+
+    if active() != "tensorflow":
+        return
+    strategy = getattr(model, "distribute_strategy", None)
+    replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+    if replicas > 1:
+        raise ValueError(
+            f"micro_batch_size=\"auto\" chooses the micro-batch of one device; under a tf.distribute strategy "
+            f"of {replicas} replicas pass micro_batch_size=m (samples over all replicas, a multiple of "
+            f"{replicas}) that fits each replica's device. Received: micro_batch_size=\"auto\"."
+        )
+
+
 def several_processes() -> bool:
     """Whether JAX runs several processes (each its own step)."""
     from gradaccum._backend import active
