@@ -3,13 +3,17 @@
 One `Search` per accumulating core holds the size the train step is traced
 with. It is chosen on the first batch of `fit` (`start`):
 
-- JAX: predicted before running, from XLA's compiled memory analysis of the
-  train step (`_backend.micro_batches.step_bytes`): the whole batch is
+- JAX, and TensorFlow with `jit_compile=True`: predicted before running,
+  from XLA's compiled memory analysis of the train step
+  (`_backend.micro_batches.step_bytes`): the whole batch is
   measured; if it does not fit the limit, the step split into a quarter
   and a half of the batch, and a line through the two gives the largest
   size under the limit. At most 3 compilations; a size below a quarter is
   extrapolated, and the out-of-memory retry is the fallback.
-- TensorFlow and PyTorch: probed: the whole batch first.
+- TensorFlow without XLA and PyTorch: probed: the whole batch first.
+
+With several JAX processes, all trace the smallest size any of them chose
+(`_agreed`); a step that runs out of memory anyway raises there.
 
 Sizes are balanced (`balanced`): the fewest micro-batches `k` that fit and
 divide the batch (any int, not only powers of two), else `ceil(B / k)` with
@@ -73,7 +77,8 @@ class Search:
         if self.size is None:
             if measure is None and self.limit is not None:
                 warnings.warn(
-                    f"micro_batch_size=\"auto\": memory_limit={self.limit} predicts the size on JAX only; "
+                    f"micro_batch_size=\"auto\": memory_limit={self.limit} predicts the size on JAX and on "
+                    "TensorFlow with jit_compile=True only; "
                     "here the size is probed, from the whole batch down where the device runs out of memory.",
                     RuntimeWarning,
                     stacklevel=2,

@@ -149,7 +149,7 @@ class Retrying:
         batch = micro_batches.batch_size(data)
         batch = int(batch) if batch is not None else None
         if search.size is None and batch is not None:
-            measure = _measuring(self.model, search, state, data) if state is not None else None
+            measure = _measuring(self.model, search, state, data) if micro_batches.measures(self.model) else None
             search.start(batch, measure)
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
@@ -209,7 +209,8 @@ def _taken(iterator: Any, count: int) -> list[Any]:
 
 
 def _measuring(model: Any, search: Any, state: Any, data: Any) -> Callable[[int], int]:
-    """The bytes of `model`'s JAX train step at a given micro-batch size."""
+    """The bytes of `model`'s compiled train step at a given micro-batch
+    size (JAX's takes its `state`; TensorFlow's has None)."""
 
     def measure(size: int) -> int:
         kept, search.size = search.size, size
