@@ -154,7 +154,7 @@ class Retrying:
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
             size = search.size
-            function = self._function_for(size)
+            function = self._function_for(size, state)
             try:
                 result = call(function)
             except Exception as error:
@@ -173,18 +173,38 @@ class Retrying:
                 continue
             return result
 
-    def _function_for(self, size: int) -> Callable[..., Any]:
-        """Keras's train function traced for micro-batches of `size`."""
+    def _function_for(self, size: int, state: Any = None) -> Callable[..., Any]:
+        """Keras's train function traced for micro-batches of `size` (JAX's
+        `fit` holds the model's `state` apart)."""
         if size not in self.functions:
             if self.functions or self.function is None:
                 # Traced anew: Keras's function holds the size it was traced with.
-                self.model.make_train_function(force=True)
+                _made_anew(self.model, state)
                 made = self.model.train_function
                 self.model.train_function = self
                 self.function = made.function if isinstance(made, Retrying) else made
             self.functions[size] = self.function
             self.function = None
         return self.functions[size]
+
+
+def _made_anew(model: Any, state: Any) -> None:
+    """Keras's `make_train_function(force=True)`. JAX's `fit` empties the
+    model's variables while it holds their `state` apart, and under a
+    `keras.distribution` Keras's function reads their shardings: they hold
+    the state while it is made, and are emptied again after."""
+    if state is None:
+        model.make_train_function(force=True)
+        return
+    _keep_jax_state(model, state)
+    try:
+        model.make_train_function(force=True)
+    finally:
+        model._purge_model_variables(
+            trainable_variables=True, non_trainable_variables=True, optimizer_variables=True, metrics_variables=True
+        )
+        # `fit` reads its state from the variables again only where they hold the newest.
+        model._jax_state_synced = False
 
 
 def _keep_jax_state(model: Any, state: Any) -> None:

@@ -202,6 +202,25 @@ def test_accumulating_chooses_for_code_you_do_not_own():
     assert_states_close(full_state(reference, ref_opt), full_state(model, model.optimizer))
 
 
+@pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution's data parallelism runs on JAX")
+def test_data_parallel_runs_the_batch_again_smaller_and_equals_one_device():
+    """Keras's JAX `fit` empties the model's variables while it holds their
+    state apart; the train function traced anew for the smaller size reads
+    their shardings all the same."""
+    from tests.backends.test_distribution import two_devices
+
+    x, y = make_data(4 * B)
+    reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(reference, ref_opt, x, y, 2 * B)
+    with keras.distribution.DataParallel(devices=two_devices()).scope():
+        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size="auto")
+        with out_of_memory_above(4):
+            fit(model, opt, x, y, 2 * B)
+    assert opt.micro_batch_size == 4
+    assert as_int(opt.iterations) == 2
+    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     (
