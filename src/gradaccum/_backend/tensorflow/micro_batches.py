@@ -136,7 +136,8 @@ def step_bytes(step: Callable[[Any], Any], data: Any) -> int:
     One compilation; nothing runs."""
     from tensorflow.compiler.xla.service import hlo_pb2
 
-    function = tf.function(step, jit_compile=True)
+    # Traced as Keras traces its train function: unconverted by AutoGraph.
+    function = tf.function(tf.autograph.experimental.do_not_convert(step), jit_compile=True)
     serialized = function.experimental_get_compiler_ir(data)(stage="optimized_hlo_proto_serialized")
     allocations = hlo_pb2.HloProto.FromString(serialized).buffer_assignment.buffer_allocations
     return int(sum(a.size for a in allocations if not a.is_thread_local))
