@@ -3,13 +3,17 @@
 One `Search` per accumulating core holds the size the train step is traced
 with. It is chosen on the first batch of `fit` (`start`):
 
-- JAX: predicted before running, from XLA's compiled memory analysis of the
-  train step (`_backend.micro_batches.step_bytes`): the whole batch is
+- JAX, and TensorFlow with `jit_compile=True`: predicted before running,
+  from XLA's compiled memory analysis of the train step
+  (`_backend.micro_batches.step_bytes`): the whole batch is
   measured; if it does not fit the limit, the step split into a quarter
   and a half of the batch, and a line through the two gives the largest
   size under the limit. At most 3 compilations; a size below a quarter is
   extrapolated, and the out-of-memory retry is the fallback.
-- TensorFlow and PyTorch: probed: the whole batch first.
+- TensorFlow without XLA and PyTorch: probed: the whole batch first.
+
+With several JAX processes, all trace the smallest size any of them chose
+(`_agreed`); a step that runs out of memory anyway raises there.
 
 Sizes are balanced (`balanced`): the fewest micro-batches `k` that fit and
 divide the batch (any int, not only powers of two), else `ceil(B / k)` with
@@ -73,14 +77,34 @@ class Search:
         if self.size is None:
             if measure is None and self.limit is not None:
                 warnings.warn(
-                    f"micro_batch_size=\"auto\": memory_limit={self.limit} predicts the size on JAX only; "
+                    f"micro_batch_size=\"auto\": memory_limit={self.limit} predicts the size on JAX and on "
+                    "TensorFlow with jit_compile=True only; "
                     "here the size is probed, from the whole batch down where the device runs out of memory.",
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            size = batch if measure is None else self._predicted(batch, measure)
-            self._choose(_device().agreed(size), "predicted" if measure is not None else "probed from the batch")
+            size = self._agreed(lambda: batch if measure is None else self._predicted(batch, measure))
+            self._choose(size, "predicted" if measure is not None else "probed from the batch")
         return self.size
+
+    @staticmethod
+    def _agreed(choose: Callable[[], int]) -> int:
+        """The smallest of the sizes `choose()` gives on each of JAX's
+        processes, so that all trace one step before its first collective.
+        A process whose step does not fit at all agrees on 0 before raising:
+        the others raise too instead of waiting for it."""
+        try:
+            size = choose()
+        except MemoryError:
+            _device().agreed(0)
+            raise
+        size = _device().agreed(size)
+        if size < 1:
+            raise MemoryError(
+                "micro_batch_size=\"auto\": another process's train step does not fit even at micro-batches of "
+                "1 sample (its error says what it needs), so no process trains."
+            )
+        return size
 
     def smaller(self, batch: int, error: BaseException) -> int:
         """The size after a step with `size` ran out of memory: one
@@ -91,6 +115,16 @@ class Search:
                 has; chained to `error`.
         """
         size = min(self.size or batch, batch)
+        if _device().several_processes():
+            # The other processes may be inside the step they agreed on,
+            # waiting for this one in its collectives: a step traced anew
+            # here would never match theirs.
+            raise MemoryError(
+                f"micro_batch_size=\"auto\": the train step ran out of memory on this process at micro-batches "
+                f"of {size} samples, and with several JAX processes it cannot run again smaller on one of them. "
+                "Pass micro_batch_size=m (a size that fits on every process), or a smaller memory_limit=... "
+                f"for the prediction. The device said: {error}"
+            ) from error
         if size <= 1:
             raise MemoryError(
                 "micro_batch_size=\"auto\": the train step does not fit even at micro-batches of 1 sample; "

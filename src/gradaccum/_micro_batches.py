@@ -100,6 +100,7 @@ def make_train_function(wrapped: Callable[..., Any], instance: Any, args: tuple,
     function = getattr(instance, "train_function", None)
     auto = core is not None and core.settings.micro_batch_size == "auto"
     if auto and function is not None and not isinstance(function, Retrying):
+        _device().check_one_replica(instance)
         instance.train_function = Retrying(instance, core, function)
     return result
 
@@ -148,12 +149,12 @@ class Retrying:
         batch = micro_batches.batch_size(data)
         batch = int(batch) if batch is not None else None
         if search.size is None and batch is not None:
-            measure = _measuring(self.model, search, state, data) if state is not None else None
+            measure = _measuring(self.model, search, state, data) if micro_batches.measures(self.model) else None
             search.start(batch, measure)
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
             size = search.size
-            function = self._function_for(size)
+            function = self._function_for(size, state)
             try:
                 result = call(function)
             except Exception as error:
@@ -172,18 +173,38 @@ class Retrying:
                 continue
             return result
 
-    def _function_for(self, size: int) -> Callable[..., Any]:
-        """Keras's train function traced for micro-batches of `size`."""
+    def _function_for(self, size: int, state: Any = None) -> Callable[..., Any]:
+        """Keras's train function traced for micro-batches of `size` (JAX's
+        `fit` holds the model's `state` apart)."""
         if size not in self.functions:
             if self.functions or self.function is None:
                 # Traced anew: Keras's function holds the size it was traced with.
-                self.model.make_train_function(force=True)
+                _made_anew(self.model, state)
                 made = self.model.train_function
                 self.model.train_function = self
                 self.function = made.function if isinstance(made, Retrying) else made
             self.functions[size] = self.function
             self.function = None
         return self.functions[size]
+
+
+def _made_anew(model: Any, state: Any) -> None:
+    """Keras's `make_train_function(force=True)`. JAX's `fit` empties the
+    model's variables while it holds their `state` apart, and under a
+    `keras.distribution` Keras's function reads their shardings: they hold
+    the state while it is made, and are emptied again after."""
+    if state is None:
+        model.make_train_function(force=True)
+        return
+    _keep_jax_state(model, state)
+    try:
+        model.make_train_function(force=True)
+    finally:
+        model._purge_model_variables(
+            trainable_variables=True, non_trainable_variables=True, optimizer_variables=True, metrics_variables=True
+        )
+        # `fit` reads its state from the variables again only where they hold the newest.
+        model._jax_state_synced = False
 
 
 def _keep_jax_state(model: Any, state: Any) -> None:
@@ -208,7 +229,8 @@ def _taken(iterator: Any, count: int) -> list[Any]:
 
 
 def _measuring(model: Any, search: Any, state: Any, data: Any) -> Callable[[int], int]:
-    """The bytes of `model`'s JAX train step at a given micro-batch size."""
+    """The bytes of `model`'s compiled train step at a given micro-batch
+    size (JAX's takes its `state`; TensorFlow's has None)."""
 
     def measure(size: int) -> int:
         kept, search.size = search.size, size

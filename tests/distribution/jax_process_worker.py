@@ -8,11 +8,20 @@ writes its weights and optimizer variables (replicated: each process holds
 them whole) to the `.npz` file named on the command line. It also records
 whether a train step fell back to all-reducing its gradients per micro-step.
 
-    python -m tests.distribution.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz
+Given a `MEMORY_LIMIT`, it trains `accumulate(Adam, micro_batch_size="auto",
+memory_limit=MEMORY_LIMIT)` instead, on batches of `MICRO_BATCH * N` (each
+process feeding its half of every batch), and records the size chosen; given
+`OUT_OF_MEMORY_ABOVE` too, its train step runs out of memory above that size
+(`out_of_memory_above`). A `MemoryError` from `fit` is recorded (`error`)
+and the process leaves at once: the other may be waiting inside a collective.
+
+    python -m tests.distribution.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz [MEMORY_LIMIT [OUT_OF_MEMORY_ABOVE]]
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import warnings
 
@@ -20,6 +29,9 @@ N = 4
 MICRO_BATCH = 8  # global: 4 samples per process
 CYCLES = 3
 LR = 1e-2
+# With micro_batch_size="auto": a hidden layer wide enough that activations,
+# not the state, decide what fits.
+AUTO_WIDTHS = (256,)
 
 
 def data():
@@ -29,10 +41,10 @@ def data():
     return make_data(MICRO_BATCH * N * CYCLES)
 
 
-def process_share(a, process: int, processes: int = 2):
-    """This process's rows of every micro-batch, in order."""
-    per = MICRO_BATCH // processes
-    steps = a.reshape(-1, MICRO_BATCH, *a.shape[1:])
+def process_share(a, process: int, processes: int = 2, batch: int = MICRO_BATCH):
+    """This process's rows of every batch of `batch` samples, in order."""
+    per = batch // processes
+    steps = a.reshape(-1, batch, *a.shape[1:])
     return steps[:, process * per:(process + 1) * per].reshape(-1, *a.shape[1:])
 
 
@@ -54,7 +66,9 @@ def _collectives_on_loopback() -> None:
     )
 
 
-def main(port: str, process: int, output: str) -> None:
+def main(
+    port: str, process: int, output: str, memory_limit: int | None = None, out_of_memory_above: int | None = None
+) -> None:
     """Trains and writes the state (the test process sets `KERAS_BACKEND=jax`
     and no `XLA_FLAGS`: one CPU device per process)."""
     import jax
@@ -72,6 +86,7 @@ def main(port: str, process: int, output: str) -> None:
     import numpy as np
 
     from gradaccum import accumulate
+    from gradaccum._backend.micro_batches import out_of_memory_above as injected
     from tests.helpers import full_state, make_mlp
 
     assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()
@@ -79,21 +94,33 @@ def main(port: str, process: int, output: str) -> None:
     distribution = keras.distribution.DataParallel(devices=jax.devices(), auto_shard_dataset=False)
     keras.distribution.set_distribution(distribution)
     x, y = data()
-    model = make_mlp()
-    opt = accumulate(keras.optimizers.Adam(LR), N)
+    if memory_limit is None:
+        model, opt, batch = make_mlp(), accumulate(keras.optimizers.Adam(LR), N), MICRO_BATCH
+    else:
+        model = make_mlp(widths=AUTO_WIDTHS)
+        opt = accumulate(keras.optimizers.Adam(LR), micro_batch_size="auto", memory_limit=memory_limit)
+        batch = MICRO_BATCH * N
     model.compile(optimizer=opt, loss="mse")
-    with warnings.catch_warnings(record=True) as caught:
+    running_out = injected(out_of_memory_above) if out_of_memory_above is not None else contextlib.nullcontext()
+    with warnings.catch_warnings(record=True) as caught, running_out:
         warnings.simplefilter("always")
-        model.fit(process_share(x, process), process_share(y, process), batch_size=MICRO_BATCH // 2,
-                  shuffle=False, verbose=0)
+        try:
+            model.fit(process_share(x, process, batch=batch), process_share(y, process, batch=batch),
+                      batch_size=batch // 2, shuffle=False, verbose=0)
+        except MemoryError as error:
+            print(f"MemoryError: {error}", flush=True)
+            np.savez(output, error=np.asarray(str(error)))
+            os._exit(0)
     fell_back = any("all-reduced on every micro-step" in str(w.message) for w in caught)
     local = [v for v in opt.variables if "gradaccum_accumulator" in v.path]
     state = full_state(model, opt)
     state["fell_back"] = np.asarray(fell_back)
     state["local_accumulators"] = np.asarray(sum(v.shape[0] == 2 for v in local))
+    if memory_limit is not None:
+        state["micro_batch_size"] = np.asarray(opt.micro_batch_size)
     np.savez(output, **state)
     jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *(int(a) for a in sys.argv[4:6]))

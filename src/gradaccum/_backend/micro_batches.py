@@ -190,28 +190,70 @@ def _tensorflow_uses_a_gpu() -> bool:
     return bool(tf.config.list_logical_devices("GPU"))
 
 
-def step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> int:
-    """The bytes XLA's compiled JAX train step `step(state, data)` uses:
-    its arguments, outputs not aliased to them, and its temporaries
-    (`memory_analysis()` of one compilation)."""
+def measures(model: Any) -> bool:
+    """Whether the size of `model`'s train step can be predicted from XLA's
+    compiled memory: on JAX, and on TensorFlow with `jit_compile=True`."""
+    from gradaccum._backend import active
+
+    if active() == "jax":
+        return True
+    return active() == "tensorflow" and model.jit_compile is True and not model.run_eagerly
+
+
+def step_bytes(step: Callable[..., Any], state: Any, data: Any) -> int:
+    """The bytes XLA's compiled train step uses: its arguments, outputs not
+    aliased to them, and its temporaries (one compilation, nothing runs).
+    JAX's `step(state, data)` (`memory_analysis()`), else TensorFlow's
+    `step(data)` (`tensorflow.micro_batches.step_bytes`; `state` is None)."""
+    # A prediction allocates nothing: the test hook leaves it alone.
+    _INJECTED["measuring"] = True
+    try:
+        if state is None:
+            from gradaccum._backend.tensorflow import micro_batches
+
+            return micro_batches.step_bytes(step, data)
+        return _jax_step_bytes(step, state, data)
+    finally:
+        _INJECTED["measuring"] = False
+
+
+def _jax_step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> int:
     import jax
 
     def abstract(t: Any) -> Any:
         return None if t is None else jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=getattr(t, "sharding", None))
 
-    # A prediction allocates nothing: the test hook leaves it alone.
-    _INJECTED["measuring"] = True
-    try:
-        lowered = jax.jit(step).lower(tree.map_structure(abstract, state), tree.map_structure(abstract, data))
-        memory = lowered.compile().memory_analysis()
-    finally:
-        _INJECTED["measuring"] = False
+    lowered = jax.jit(step).lower(tree.map_structure(abstract, state), tree.map_structure(abstract, data))
+    memory = lowered.compile().memory_analysis()
     return int(
         memory.argument_size_in_bytes
         + memory.output_size_in_bytes
         - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes
     )
+
+
+def check_one_replica(model: Any) -> None:
+    """Raises where `micro_batch_size="auto"` would choose under a
+    `tf.distribute` strategy of several replicas: its train function takes
+    each replica's share of a batch, and its sizes would have to be shares
+    that every replica and worker agrees on.
+
+    Raises:
+        ValueError: Naming the strategy's replicas and what to pass instead.
+    """
+    from gradaccum._backend import active
+
+    if active() != "tensorflow":
+        return
+    strategy = getattr(model, "distribute_strategy", None)
+    replicas = 1 if strategy is None else strategy.num_replicas_in_sync
+    if replicas > 1:
+        raise ValueError(
+            f"micro_batch_size=\"auto\" chooses the micro-batch of one device; under a tf.distribute strategy "
+            f"of {replicas} replicas pass micro_batch_size=m (samples over all replicas, a multiple of "
+            f"{replicas}) that fits each replica's device. Received: micro_batch_size=\"auto\"."
+        )
 
 
 def several_processes() -> bool:

@@ -125,3 +125,19 @@ def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[
 
         logs = tf.cond(rest > 0, last, lambda: logs)
     return logs
+
+
+def step_bytes(step: Callable[[Any], Any], data: Any) -> int:
+    """The bytes XLA's compiled TensorFlow train step `step(data)` uses: the
+    allocations of its buffer assignment (arguments, outputs, temporaries;
+    not those local to a thread), read from the `HloProto` that
+    `experimental_get_compiler_ir` gives at stage
+    `"optimized_hlo_proto_serialized"`: what JAX's `memory_analysis()` sums.
+    One compilation; nothing runs."""
+    from tensorflow.compiler.xla.service import hlo_pb2
+
+    # Traced as Keras traces its train function: unconverted by AutoGraph.
+    function = tf.function(tf.autograph.experimental.do_not_convert(step), jit_compile=True)
+    serialized = function.experimental_get_compiler_ir(data)(stage="optimized_hlo_proto_serialized")
+    allocations = hlo_pb2.HloProto.FromString(serialized).buffer_assignment.buffer_allocations
+    return int(sum(a.size for a in allocations if not a.is_thread_local))
