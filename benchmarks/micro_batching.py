@@ -213,6 +213,7 @@ def main() -> None:
         print(f"  {name:16s} {args.batches * B / cpu:8.0f} samples/s CPU, {args.batches * B / wall:8.0f} wall")
     best = max((f"m={size}" for size in fitting), key=lambda name: -np.median(times[name][:, 1]))
     for a, b, what in ((f"m={chosen} again", f"m={chosen}", "A/A"), ("auto", best, "the best hand-chosen"),
+                       ("auto", f"m={chosen}", "the same size by hand"),
                        (f"n={k}", "auto", '"auto"')):
         print(f"  {a} / {b} ({what}): CPU {ratio(times, a, b, 1)}, wall {ratio(times, a, b, 0)}")
 
