@@ -5,11 +5,11 @@ with. It is chosen on the first batch of `fit` (`start`):
 
 - JAX, and TensorFlow with `jit_compile=True`: predicted before running,
   from XLA's compiled memory analysis of the train step
-  (`_backend.micro_batches.step_bytes`): the whole batch is
-  measured; if it does not fit the limit, the step split into a quarter
-  and a half of the batch, and a line through the two gives the largest
-  size under the limit. At most 3 compilations; a size below a quarter is
-  extrapolated, and the out-of-memory retry is the fallback.
+  (`_backend.micro_batches.step_bytes`): the whole batch is measured; if
+  it does not fit the limit, the step split into halves, and a line
+  through the two gives the largest size under the limit. At most 2
+  compilations; a size below a half is extrapolated, and the
+  out-of-memory retry is the fallback.
 - TensorFlow without XLA and PyTorch: probed: the whole batch first.
 
 With several JAX processes, all trace the smallest size any of them chose
@@ -140,25 +140,25 @@ class Search:
         limit = self.limit if self.limit is not None else _device().free_bytes()
         if limit is None:
             return batch
-        # The whole batch first: unsplit, it holds no accumulators.
+        # The whole batch first: where it fits, one compilation decides.
         top = self._measure(measure, batch)
         if top <= limit:
             return batch
         if batch == 1:
             self._refuse(top, limit)
-        # Split, the bytes grow by a constant per sample: a line through
-        # two sizes gives the largest that fits.
-        low_size, high_size = max(1, batch // 4), max(1, batch // 2)
-        low = self._measure(measure, low_size)
-        high = self._measure(measure, high_size) if high_size != low_size else low
-        if high <= limit:
-            return balanced(batch, high_size)
-        slope = (high - low) / (high_size - low_size) if high_size > low_size else 0.0
+        # The bytes grow by about a constant per sample of the micro-batch:
+        # a line through the whole batch and its half gives the largest
+        # size that fits (the half itself measured, not extrapolated).
+        half = batch // 2
+        low = self._measure(measure, half)
+        if low <= limit:
+            return balanced(batch, half)
+        slope = (top - low) / (batch - half)
         if slope <= 0:
-            return balanced(batch, low_size) if low <= limit else self._refuse(low, limit)
-        size = int(low_size + (limit - low) // slope)
+            self._refuse(low, limit)
+        size = int(half + (limit - low) // slope)
         if size < 1:
-            self._refuse(low - slope * (low_size - 1), limit)
+            self._refuse(low - slope * (half - 1), limit)
         return balanced(batch, size)
 
     def _measure(self, measure: Callable[[int], int], size: int) -> int:
