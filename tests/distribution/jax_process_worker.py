@@ -15,7 +15,8 @@ process feeding its half of every batch), and records the size chosen; given
 (`out_of_memory_above`). A `MemoryError` from `fit` is recorded (`error`)
 and the process leaves at once: the other may be waiting inside a collective.
 
-    python -m tests.distribution.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz [MEMORY_LIMIT [OUT_OF_MEMORY_ABOVE]]
+    python -m tests.distribution.jax_process_worker COORDINATOR_PORT PROCESS_ID OUTPUT.npz \
+        [MEMORY_LIMIT [OUT_OF_MEMORY_ABOVE]]
 """
 
 from __future__ import annotations

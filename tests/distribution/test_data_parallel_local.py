@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from gradaccum import accumulate
-from tests.distribution.test_distribution import two_devices
 from tests.helpers import BACKEND, MODES, assert_states_close, fit, full_state, gradients, make_data, make_mlp
+from tests.helpers.devices import two_devices
 from tests.helpers.hlo import all_reduces
 from tests.helpers.models import TOKENS_T as T
 from tests.helpers.models import TOKENS_VOCAB as VOCAB

@@ -9,22 +9,11 @@ import pytest
 
 from gradaccum import accumulate
 from tests.helpers import BACKEND, as_int, assert_states_close, fit, full_state, make_data, make_mlp
+from tests.helpers.devices import two_devices
 
 pytestmark = pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution runs on JAX")
 
 N, B = 4, 8  # B: the global micro-batch, split over the two devices
-
-
-def two_devices():
-    import jax
-
-    devices = jax.devices()
-    assert len(devices) >= 2, (
-        "these tests need two JAX devices: set "
-        "XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts "
-        "(the keras3-jax tox environment does)"
-    )
-    return devices[:2]
 
 
 @pytest.mark.parametrize("jit", (True, False))

@@ -36,7 +36,8 @@ def _run(tmp_path: Path, arguments: tuple[tuple[int, ...], ...] = ((), ())) -> l
     # One CPU device per process: no XLA_FLAGS.
     env = process_env(drop=("XLA_FLAGS",), JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
     return run_processes(
-        "tests.distribution.jax_process_worker", lambda i, output: [str(port), str(i), str(output), *map(str, arguments[i])],
+        "tests.distribution.jax_process_worker",
+        lambda i, output: [str(port), str(i), str(output), *map(str, arguments[i])],
         lambda i: env, tmp_path, DEADLINE_S,
     )
 

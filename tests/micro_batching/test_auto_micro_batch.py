@@ -211,7 +211,7 @@ def test_data_parallel_runs_the_batch_again_smaller_and_equals_one_device():
     """Keras's JAX `fit` empties the model's variables while it holds their
     state apart; the train function traced anew for the smaller size reads
     their shardings all the same."""
-    from tests.backends.test_distribution import two_devices
+    from tests.helpers.devices import two_devices
 
     x, y = make_data(4 * B)
     reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)

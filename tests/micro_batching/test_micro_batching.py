@@ -224,7 +224,7 @@ def test_step_memory_is_that_of_a_micro_batch():
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution's data parallelism runs on JAX")
 def test_data_parallel_equals_one_device_and_all_reduces_gradients_once_per_batch():
     from tests.distribution.test_data_parallel_local import _all_reduces, _optimized_train_step, _per_device
-    from tests.distribution.test_distribution import two_devices
+    from tests.helpers.devices import two_devices
 
     x, y = make_data(4 * B)
     reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
