@@ -368,22 +368,3 @@ def for_active() -> Backend:
 
     return KerasOpsBackend()
 
-
-def split_train_step(
-    step: Callable[..., Any], args: tuple, kwargs: dict, size: int, splitting: Callable[[Any], Any], model: Any
-) -> Any:
-    """Keras's train step `step(*args, **kwargs)` of the active backend, run
-    once per micro-batch of `size` samples (see `micro_batches`), within
-    `splitting(count)`; `model` is the model it trains."""
-    given = dict(zip(("state", "data") if active() == "jax" else ("data",), args), **kwargs)
-    if active() == "jax":
-        from gradaccum._backend.micro_batches import split_jax
-
-        return split_jax(step, given["state"], given["data"], size, splitting)
-    if active() == "torch":
-        from gradaccum._backend.micro_batches import split_eagerly
-
-        return split_eagerly(step, given["data"], size, splitting)
-    from gradaccum._backend.tensorflow.micro_batches import split
-
-    return split(step, given["data"], size, splitting, model)
