@@ -125,10 +125,9 @@ def test_no_module_imports_tensorflow_at_import_time_but_the_tensorflow_hooks():
 
 # The modules that may import TensorFlow (or the TensorFlow hooks) anywhere,
 # also inside a function: the backend package, tf_keras's optimizer
-# families and TensorFlow checkpoints. `_family` and `_keras3` read
-# `tf.distribute` strategies for Keras 3's optimizer families.
-TENSORFLOW_MODULES = ("gradaccum._backend", "gradaccum._tf_keras", "gradaccum._persistence.checkpoint",
-                      "gradaccum._family", "gradaccum._keras3")
+# families and TensorFlow checkpoints. Keras 3's optimizer family asks the
+# backend (`Replicas`) for strategies, TensorFlow variables and masked updates.
+TENSORFLOW_MODULES = ("gradaccum._backend", "gradaccum._tf_keras", "gradaccum._persistence.checkpoint")
 
 
 def _tensorflow_imports(tree: ast.AST) -> list[int]:

@@ -159,7 +159,8 @@ class Tensors(Protocol):
 
 
 class Replicas(Protocol):
-    """Distribution: one replica on a backend without `tf.distribute`."""
+    """Distribution (one replica on a backend without `tf.distribute`), and
+    what the optimizer families ask of it."""
 
     def count(self) -> int:
         """Replicas taking part in the current replica context."""
@@ -176,6 +177,22 @@ class Replicas(Protocol):
 
     def on_each(self, family: Any, fn: Callable[[], None]) -> None:
         """Runs `fn` once per replica (from wherever it is called)."""
+
+    def strategy_of(self, optimizer: Any) -> Any:
+        """The `tf.distribute` strategy `optimizer` was created under (else
+        the current one); None on a backend without `tf.distribute`."""
+
+    def check_buildable(self, family: Any) -> None:
+        """Raises if the wrapped optimizer cannot create its state here
+        (under a strategy not its own, or traced on one of several replicas)."""
+
+    def native(self, variable: Any) -> Any:
+        """The variable behind a Keras variable that the backend's hooks
+        place and write (TensorFlow's `tf.Variable`); else `variable`."""
+
+    def apply_masked(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], masking: Any) -> None:
+        """A Keras 3 optimizer's `apply`, its writes taking effect only as
+        `masking` says (which only TensorFlow's `finish` hands over)."""
 
 
 class Gradients(Protocol):
