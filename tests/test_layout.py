@@ -177,6 +177,20 @@ def test_only_the_backends_know_where_the_cycle_position_is_kept():
         assert not host, (name, host)
 
 
+def test_the_modules_above_probe_no_backend_hook():
+    """What the modules above `_backend` ask a backend is declared (on
+    `Backend` or one of its groups), never probed with `getattr`."""
+    for name, path in _modules().items():
+        if name.startswith("gradaccum._backend"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+                continue
+            target = node.args[0]
+            probed = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+            assert not (node.func.id in ("getattr", "hasattr") and probed.endswith("backend")), (name, node.lineno)
+
+
 def _declared_methods(module: pathlib.Path, protocol: str) -> list[str]:
     for node in ast.parse(module.read_text()).body:
         if isinstance(node, ast.ClassDef) and node.name == protocol:

@@ -194,6 +194,13 @@ class Replicas(Protocol):
         """A Keras 3 optimizer's `apply`, its writes taking effect only as
         `masking` says (which only TensorFlow's `finish` hands over)."""
 
+    def local_axis(self) -> tuple[Any, str | None]:
+        """The mesh axis the accumulators are device-local over while the
+        batch is split over it (`device_local`), or `(None, why not)`."""
+
+    def local_devices(self, accumulator: Any) -> int:
+        """The devices a device-local accumulator has an entry for, else 0."""
+
 
 class Gradients(Protocol):
     """Gradients and losses as the core and the layers above it see them

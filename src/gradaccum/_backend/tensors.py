@@ -127,3 +127,9 @@ class OneReplica:
         raise NotImplementedError(
             f"The {keras.config.backend()!r} backend runs an optimizer's update whole: it has no `masking`."
         )
+
+    def local_axis(self) -> tuple[Any, str | None]:
+        return None, None
+
+    def local_devices(self, accumulator: Any) -> int:
+        return 0
