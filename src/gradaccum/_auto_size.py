@@ -27,12 +27,10 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 _LOG = logging.getLogger("gradaccum")
-_SEARCHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def balanced(batch: int, size: int) -> int:
@@ -186,10 +184,9 @@ class Search:
 
 def search_of(core: Any) -> Search:
     """The search of `core` (whose `micro_batch_size` is `"auto"`)."""
-    search = _SEARCHES.get(core)
-    if search is None:
-        search = _SEARCHES[core] = Search(core.settings.memory_limit)
-    return search
+    if core.auto_size is None:
+        core.auto_size = Search(core.settings.memory_limit)
+    return core.auto_size
 
 
 def size_of(core: Any) -> int | str | None:
@@ -198,7 +195,7 @@ def size_of(core: Any) -> int | str | None:
     size = core.settings.micro_batch_size
     if size != "auto":
         return size
-    search = _SEARCHES.get(core)
+    search = core.auto_size
     return "auto" if search is None or search.size is None else search.size
 
 

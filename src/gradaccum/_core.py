@@ -87,6 +87,7 @@ class Core:
         self.state: State | None = None
         self._on_built = on_built
         self.weights = Weights(backend, settings.weigh_by)
+        self.auto_size: Any = None  # micro_batch_size="auto"'s search, made on first use (`_auto_size.search_of`)
         self.warned_undecided = False  # see `_cycle_end`: warned once
         # Whether any micro-batch was weighted (decided while tracing).
         self.weighted = False

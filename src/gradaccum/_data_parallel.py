@@ -71,14 +71,12 @@ def _plan(model: Any) -> tuple[Any, Any] | None:
     core = _families.core_in(getattr(model, "optimizer", None))
     if core is None or core.state is None or core.cycle.hands_over():
         return None
-    backend = core.backend
-    if not getattr(backend, "local", None):
-        why = getattr(backend, "why_not_local", None)
+    axis, why = core.backend.replicas.local_axis()
+    if axis is None:
         if why is not None:
             _warn(model, why)
         return None
-    axis = backend.local_axis()
-    return None if axis is None else (core, axis)
+    return core, axis
 
 
 def _local_step(model: Any, core: Any, axis: Any, state: Any, data: Any) -> Any:
@@ -93,7 +91,7 @@ def _local_step(model: Any, core: Any, axis: Any, state: Any, data: Any) -> Any:
             raise _NotLocal(f"the data's batch axis ({leaf.shape}) does not split evenly over {axis.size} devices")
     optimizer = model.optimizer
     variables = list(optimizer.variables)
-    local = [core.backend.local_devices(v) > 0 for v in variables]
+    local = [core.backend.replicas.local_devices(v) > 0 for v in variables]
     shared = [value for value, is_local in zip(optimizer_values, local) if not is_local]
 
     def per_device(trainable: Any, non_trainable: Any, metrics: Any, shared: Any, x: Any, y: Any, sw: Any) -> Any:

@@ -11,10 +11,9 @@ families share. Families are looked up in `gradaccum._families`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    import tensorflow as tf
+from gradaccum import _backend
 
 
 class OptimizerFamily(Protocol):
@@ -25,7 +24,7 @@ class OptimizerFamily(Protocol):
     # Whether the optimizer's update can be split into what synchronises
     # replicas and what writes (`apply` takes a `masking`), so that the
     # masked update runs the writes in one branch instead of snapshotting
-    # all state (see `gradaccum._backend.tensorflow.updates`).
+    # all state (see `gradaccum._backend.Replicas.apply_masked`).
     masks_writes: ClassVar[bool]
     # With `masks_writes`: the name of the optimizer's method that updates
     # one variable and synchronises nothing, so that a variable without a
@@ -67,23 +66,25 @@ class OptimizerFamily(Protocol):
     def var_key(self, variable: Any) -> Any:
         """A hashable identity of `variable`, as the optimizer keys it."""
 
-    def state_variables(self) -> list[tf.Variable]:
-        """Every variable holding optimizer state that an update may write."""
+    def state_variables(self) -> list[Any]:
+        """Every variable holding optimizer state that an update may write
+        (as the backend's hooks write it: `Replicas.native`)."""
 
-    def model_variable(self, variable: Any) -> tf.Variable:
-        """The variable an update of `variable` writes."""
+    def model_variable(self, variable: Any) -> Any:
+        """The variable an update of `variable` writes (likewise)."""
 
-    def slots(self, variables: Sequence[Any]) -> list[list[tf.Variable]] | None:
+    def slots(self, variables: Sequence[Any]) -> list[list[Any]] | None:
         """For each of `variables`, the optimizer state that belongs to it
         alone (what an update that leaves it out leaves alone), or None
         where the family cannot tell."""
 
-    def unattributed_state(self) -> list[tf.Variable]:
+    def unattributed_state(self) -> list[Any]:
         """Optimizer state that may belong to one variable but that `slots`
         attributes to none."""
 
-    def strategy(self) -> tf.distribute.Strategy:
-        """The distribution strategy the optimizer was created under."""
+    def strategy(self) -> Any:
+        """The distribution strategy the optimizer was created under
+        (`Replicas.strategy_of`)."""
 
     def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:
         """The extra `apply_gradients` keyword arguments, checked."""
@@ -93,7 +94,7 @@ class OptimizerFamily(Protocol):
     ) -> None:
         """The optimizer's own update, with what `apply_options` returned;
         with a `masking` (only where `masks_writes`), its writes take effect
-        only as that says (`gradaccum._backend.tensorflow.updates.Masking`)."""
+        only as that says (`gradaccum._backend.Replicas.apply_masked`)."""
 
     def replica_clip(self) -> Callable[[list[Any]], list[Any]] | None:
         """The optimizer's clipping of a summed gradient, if it clips each
@@ -137,19 +138,17 @@ class FamilyBase:
     def grow(self, variables: Sequence[Any]) -> None:
         raise NotImplementedError(f"A {self.name} optimizer does not grow.")
 
-    def model_variable(self, variable: Any) -> tf.Variable:
+    def model_variable(self, variable: Any) -> Any:
         return variable
 
-    def slots(self, variables: Sequence[Any]) -> list[list[tf.Variable]] | None:
+    def slots(self, variables: Sequence[Any]) -> list[list[Any]] | None:
         return None
 
-    def unattributed_state(self) -> list[tf.Variable]:
+    def unattributed_state(self) -> list[Any]:
         return []
 
-    def strategy(self) -> tf.distribute.Strategy:
-        from gradaccum._backend.tensorflow import distribution
-
-        return distribution.strategy_of(self.optimizer)
+    def strategy(self) -> Any:
+        return _backend.for_active().replicas.strategy_of(self.optimizer)
 
     def apply_options(self, **kwargs: Any) -> Mapping[str, Any]:
         if kwargs:

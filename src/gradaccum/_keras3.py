@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
 
+from gradaccum import _backend
 from gradaccum._family import FamilyBase
-
-if TYPE_CHECKING:
-    import tensorflow as tf
-
 
 # The base optimizer's lists of variables that hold no variable's slots: all
 # its variables, those it is built for, and EMA's averages.
@@ -52,13 +49,7 @@ class Keras3Family(FamilyBase):
         return bool(self.optimizer.built)
 
     def build(self, variables: Sequence[Any]) -> None:
-        if keras.config.backend() != "tensorflow":
-            self.optimizer.build(list(variables))
-            return
-        from gradaccum._backend.tensorflow import distribution
-
-        distribution.check_strategy(self.strategy(), "optimizer")
-        distribution.check_buildable("optimizer")
+        _backend.for_active().replicas.check_buildable(self)
         self.optimizer.build(list(variables))
 
     def trainable_variables(self) -> list[Any]:
@@ -67,8 +58,9 @@ class Keras3Family(FamilyBase):
     def var_key(self, variable: Any) -> Any:
         return self.optimizer._var_key(variable)
 
-    def state_variables(self) -> list[tf.Variable]:
-        """Every TF variable holding optimizer state (slots, counters, EMA).
+    def state_variables(self) -> list[Any]:
+        """Every variable holding optimizer state (slots, counters, EMA), as
+        the backend's hooks write it (`Replicas.native`).
 
         `optimizer.variables` lists what Keras tracked while the optimizer
         was built. A `LossScaleOptimizer` builds its inner optimizer with
@@ -77,11 +69,8 @@ class Keras3Family(FamilyBase):
         missing from that list; they are found among its attributes.
         """
         variables = list(self.optimizer.variables) + self.untracked_variables()
-        if keras.config.backend() != "tensorflow":
-            return variables
-        from gradaccum._backend.tensorflow import distribution
-
-        return [distribution.tf_variable(v) for v in variables]
+        native = _backend.for_active().replicas.native
+        return [native(v) for v in variables]
 
     def untracked_variables(self) -> list[Any]:
         """The optimizer state missing from `optimizer.variables` (see
@@ -99,7 +88,7 @@ class Keras3Family(FamilyBase):
                     found.append(v)
         return found
 
-    def slots(self, variables: Sequence[Any]) -> list[list[tf.Variable]] | None:
+    def slots(self, variables: Sequence[Any]) -> list[list[Any]] | None:
         """The optimizer state that belongs to each of `variables` alone.
 
         Keras's optimizers keep a variable's slots in lists of one entry per
@@ -113,27 +102,23 @@ class Keras3Family(FamilyBase):
             variables: Variables the optimizer was built for.
 
         Returns:
-            For each variable, TensorFlow variables (None on another backend).
+            For each variable, its slots (as `state_variables` lists them).
         """
-        if keras.config.backend() != "tensorflow":
-            return None
-        from gradaccum._backend.tensorflow import distribution
-
+        native = _backend.for_active().replicas.native
         lists = self._slot_lists()
         indices = [self.optimizer._get_variable_index(v) for v in variables]
-        return [[distribution.tf_variable(s[k]) for s in lists if s[k] is not None] for k in indices]
+        return [[native(s[k]) for s in lists if s[k] is not None] for k in indices]
 
-    def unattributed_state(self) -> list[tf.Variable]:
+    def unattributed_state(self) -> list[Any]:
         """Optimizer state that may belong to one variable but that `slots`
         attributes to none: every state variable that is not a scalar (the
         optimizer's own counters and products, as Nadam's, are) nor a slot.
         EMA's averages among them: each moves in every update, computed
         from its variable's new value, which an update that runs for a
         variable without a gradient has moved."""
-        from gradaccum._backend.tensorflow import distribution
-
-        known = {id(distribution.tf_variable(s)) for slots in self._slot_lists() for s in slots if s is not None}
-        return [v for v in self.state_variables() if id(v) not in known and v.shape.rank != 0]
+        native = _backend.for_active().replicas.native
+        known = {id(native(s)) for slots in self._slot_lists() for s in slots if s is not None}
+        return [v for v in self.state_variables() if id(v) not in known and len(v.shape) != 0]
 
     def _slot_lists(self) -> list[list[Any]]:
         count = len(self.optimizer._trainable_variables)
@@ -145,10 +130,8 @@ class Keras3Family(FamilyBase):
                 found.append(value)
         return found
 
-    def model_variable(self, variable: Any) -> tf.Variable:
-        from gradaccum._backend.tensorflow import distribution
-
-        return distribution.tf_variable(variable)
+    def model_variable(self, variable: Any) -> Any:
+        return _backend.for_active().replicas.native(variable)
 
     def apply(
         self, grads: Sequence[Any], variables: Sequence[Any], options: Mapping[str, Any], masking: Any = None
@@ -157,9 +140,7 @@ class Keras3Family(FamilyBase):
         if masking is None:
             self.optimizer.apply(list(grads), list(variables))
             return
-        from gradaccum._backend.tensorflow import updates
-
-        updates.split_apply(self.optimizer, list(grads), list(variables), masking)
+        _backend.for_active().replicas.apply_masked(self.optimizer, grads, variables, masking)
 
     def gradient_scale(self) -> Any:
         return getattr(self.optimizer, "loss_scale_factor", None)

@@ -10,7 +10,7 @@ kept `tf.IndexedSlices`, loss scaling, AGC) is the accumulation's own.
 
 Keras's train step of each backend is wrapped (see `gradaccum._patches`);
 the loop over micro-batches is the backend's
-(`gradaccum._backend.split_train_step`). A step that calls Keras's own
+(`gradaccum._backend.micro_batches.split_train_step`). A step that calls Keras's own
 (`super().train_step(data)`) is split there. A model that overrides
 `train_step` with a step of its own is not split: its `apply_gradients`
 then raises, saying to accumulate across steps with `n` (see `Core.step`).
@@ -31,7 +31,7 @@ from typing import Any
 
 from keras import ops
 
-from gradaccum import _atomic, _auto_size, _backend, _families
+from gradaccum import _atomic, _auto_size, _families
 
 
 def _splitting(model: Any) -> Any:
@@ -51,8 +51,7 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
         return wrapped(*args, **kwargs)
     size = core.settings.micro_batch_size
     if size == "auto" or _device().injecting():
-        data = (args[1:] if _backend.active() == "jax" else args)[:1] or [kwargs.get("data")]
-        total = _device().batch_size(data[0])
+        total = _device().batch_size(_device().step_data(args, kwargs))
         if size == "auto":
             size = _auto_size.search_of(core).size or total
             if size is None:
@@ -62,7 +61,7 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
                 )
         if _device().injecting():
             wrapped = _injecting(wrapped, size, total)
-    return _backend.split_train_step(
+    return _device().split_train_step(
         wrapped, args, kwargs, size, functools.partial(_splitting_into, core), instance
     )
 
@@ -109,10 +108,10 @@ class Retrying:
     """Keras's train function with `micro_batch_size="auto"`: one batch at a
     time, run again smaller where the device runs out of memory.
 
-    Keras's function takes an iterator (JAX, TensorFlow) or a list of one
-    batch (PyTorch); this one takes the batches out itself (as many as
-    `steps_per_execution` asks, each its own call), so that a batch that ran
-    out of memory is at hand to run again.
+    Keras's function takes the batches as its backend hands them over; this
+    one takes them out itself (as many as `steps_per_execution` asks, each
+    its own call: `_backend.micro_batches.batch_by_batch`), so that a batch
+    that ran out of memory is at hand to run again.
 
     Args:
         model: The model `fit` trains.
@@ -125,23 +124,8 @@ class Retrying:
         self.functions: dict[int, Callable[..., Any]] = {}  # a traced function per size
 
     def __call__(self, *args: Any) -> Any:
-        backend = _backend.active()
-        if backend == "torch":
-            (batches,) = args
-            return self._run(lambda function: function(batches), batches[0])
-        state, iterator = args if backend == "jax" else (None, args[0])
-        logs = None
-        for data in _taken(iterator, int(getattr(self.model, "steps_per_execution", 1) or 1)):
-            # Each batch is handed over alone, in an iterator of its own.
-            if backend == "jax":
-                try:
-                    logs, state = self._run(lambda f, s=state, d=data: f(s, iter([d])), data, state)
-                except MemoryError:
-                    _keep_jax_state(self.model, state)
-                    raise
-            else:
-                logs = self._run(lambda f, d=data: f(iter([d])), data)
-        return (logs, state) if backend == "jax" else logs
+        steps = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        return _device().batch_by_batch(args, steps, self._run, self.model)
 
     def _run(self, call: Callable[[Any], Any], data: Any, state: Any = None) -> Any:
         micro_batches = _device()
@@ -179,53 +163,13 @@ class Retrying:
         if size not in self.functions:
             if self.functions or self.function is None:
                 # Traced anew: Keras's function holds the size it was traced with.
-                _made_anew(self.model, state)
+                _device().made_anew(self.model, state)
                 made = self.model.train_function
                 self.model.train_function = self
                 self.function = made.function if isinstance(made, Retrying) else made
             self.functions[size] = self.function
             self.function = None
         return self.functions[size]
-
-
-def _made_anew(model: Any, state: Any) -> None:
-    """Keras's `make_train_function(force=True)`. JAX's `fit` empties the
-    model's variables while it holds their `state` apart, and under a
-    `keras.distribution` Keras's function reads their shardings: they hold
-    the state while it is made, and are emptied again after."""
-    if state is None:
-        model.make_train_function(force=True)
-        return
-    _keep_jax_state(model, state)
-    try:
-        model.make_train_function(force=True)
-    finally:
-        model._purge_model_variables(
-            trainable_variables=True, non_trainable_variables=True, optimizer_variables=True, metrics_variables=True
-        )
-        # `fit` reads its state from the variables again only where they hold the newest.
-        model._jax_state_synced = False
-
-
-def _keep_jax_state(model: Any, state: Any) -> None:
-    """Writes the state of JAX's `fit` (held apart from the model's
-    variables while it runs) into the variables, as `fit` does when it ends:
-    a step that cannot run leaves the model as the last step did."""
-    names = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
-    model._jax_state = dict(zip(names, state))
-    model._jax_state_synced = False
-    model.jax_state_sync()
-
-
-def _taken(iterator: Any, count: int) -> list[Any]:
-    """Up to `count` batches of `iterator`, at least one (else StopIteration)."""
-    taken = [next(iterator)]
-    for _ in range(count - 1):
-        try:
-            taken.append(next(iterator))
-        except StopIteration:
-            break
-    return taken
 
 
 def _measuring(model: Any, search: Any, state: Any, data: Any) -> Callable[[int], int]:

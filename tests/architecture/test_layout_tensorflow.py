@@ -125,10 +125,9 @@ def test_no_module_imports_tensorflow_at_import_time_but_the_tensorflow_hooks():
 
 # The modules that may import TensorFlow (or the TensorFlow hooks) anywhere,
 # also inside a function: the backend package, tf_keras's optimizer
-# families and TensorFlow checkpoints. `_family` and `_keras3` read
-# `tf.distribute` strategies for Keras 3's optimizer families.
-TENSORFLOW_MODULES = ("gradaccum._backend", "gradaccum._tf_keras", "gradaccum._persistence.checkpoint",
-                      "gradaccum._family", "gradaccum._keras3")
+# families and TensorFlow checkpoints. Keras 3's optimizer family asks the
+# backend (`Replicas`) for strategies, TensorFlow variables and masked updates.
+TENSORFLOW_MODULES = ("gradaccum._backend", "gradaccum._tf_keras", "gradaccum._persistence.checkpoint")
 
 
 def _tensorflow_imports(tree: ast.AST) -> list[int]:
@@ -176,6 +175,20 @@ def test_only_the_backends_know_where_the_cycle_position_is_kept():
         names = {n.id if isinstance(n, ast.Name) else n.attr for n in nodes}
         host = sorted(n for n in names if n.startswith("host_"))
         assert not host, (name, host)
+
+
+def test_the_modules_above_probe_no_backend_hook():
+    """What the modules above `_backend` ask a backend is declared (on
+    `Backend` or one of its groups), never probed with `getattr`."""
+    for name, path in _modules().items():
+        if name.startswith("gradaccum._backend"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args):
+                continue
+            target = node.args[0]
+            probed = target.id if isinstance(target, ast.Name) else getattr(target, "attr", "")
+            assert not (node.func.id in ("getattr", "hasattr") and probed.endswith("backend")), (name, node.lineno)
 
 
 def _declared_methods(module: pathlib.Path, protocol: str) -> list[str]:

@@ -159,7 +159,8 @@ class Tensors(Protocol):
 
 
 class Replicas(Protocol):
-    """Distribution: one replica on a backend without `tf.distribute`."""
+    """Distribution (one replica on a backend without `tf.distribute`), and
+    what the optimizer families ask of it."""
 
     def count(self) -> int:
         """Replicas taking part in the current replica context."""
@@ -176,6 +177,29 @@ class Replicas(Protocol):
 
     def on_each(self, family: Any, fn: Callable[[], None]) -> None:
         """Runs `fn` once per replica (from wherever it is called)."""
+
+    def strategy_of(self, optimizer: Any) -> Any:
+        """The `tf.distribute` strategy `optimizer` was created under (else
+        the current one); None on a backend without `tf.distribute`."""
+
+    def check_buildable(self, family: Any) -> None:
+        """Raises if the wrapped optimizer cannot create its state here
+        (under a strategy not its own, or traced on one of several replicas)."""
+
+    def native(self, variable: Any) -> Any:
+        """The variable behind a Keras variable that the backend's hooks
+        place and write (TensorFlow's `tf.Variable`); else `variable`."""
+
+    def apply_masked(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], masking: Any) -> None:
+        """A Keras 3 optimizer's `apply`, its writes taking effect only as
+        `masking` says (which only TensorFlow's `finish` hands over)."""
+
+    def local_axis(self) -> tuple[Any, str | None]:
+        """The mesh axis the accumulators are device-local over while the
+        batch is split over it (`device_local`), or `(None, why not)`."""
+
+    def local_devices(self, accumulator: Any) -> int:
+        """The devices a device-local accumulator has an entry for, else 0."""
 
 
 class Gradients(Protocol):
@@ -368,22 +392,3 @@ def for_active() -> Backend:
 
     return KerasOpsBackend()
 
-
-def split_train_step(
-    step: Callable[..., Any], args: tuple, kwargs: dict, size: int, splitting: Callable[[Any], Any], model: Any
-) -> Any:
-    """Keras's train step `step(*args, **kwargs)` of the active backend, run
-    once per micro-batch of `size` samples (see `micro_batches`), within
-    `splitting(count)`; `model` is the model it trains."""
-    given = dict(zip(("state", "data") if active() == "jax" else ("data",), args), **kwargs)
-    if active() == "jax":
-        from gradaccum._backend.micro_batches import split_jax
-
-        return split_jax(step, given["state"], given["data"], size, splitting)
-    if active() == "torch":
-        from gradaccum._backend.micro_batches import split_eagerly
-
-        return split_eagerly(step, given["data"], size, splitting)
-    from gradaccum._backend.tensorflow.micro_batches import split
-
-    return split(step, given["data"], size, splitting, model)

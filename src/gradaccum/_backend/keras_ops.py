@@ -104,7 +104,7 @@ class KerasOpsBackend:
         self._axis: device_local.DataAxis | None = None
         self._global_only: str | None = None
         self.tensors = KerasOpsTensors(self.local)
-        self.replicas = OneReplica()
+        self.replicas = DeviceLocalReplicas(self)
         self.gradients = gradients.KerasOpsGradients()
 
     # State.
@@ -163,20 +163,6 @@ class KerasOpsBackend:
                 return None
             layouts.append(layout)
         return layouts
-
-    def local_axis(self) -> device_local.DataAxis | None:
-        """The mesh axis the device-local accumulators are split over, as
-        long as the active distribution splits the batch over it; else None."""
-        if not self.local or self._axis is None:
-            return None
-        axis, _ = device_local.data_axis()
-        same = axis is not None and (axis.name, axis.size) == (self._axis.name, self._axis.size)
-        return axis if same else None
-
-    def local_devices(self, accumulator: Any) -> int:
-        """The devices a device-local accumulator has an entry for; 0 for
-        one of its variable's shape."""
-        return self.local.get(id(accumulator), 0)
 
     def position(self, counter: Any, flags: Any) -> position.Position:
         return position.DevicePosition(self, counter, flags)
@@ -305,3 +291,22 @@ class KerasOpsBackend:
             run_if(condition, fn, writes)
         elif bool(condition):
             fn()
+
+
+class DeviceLocalReplicas(OneReplica):
+    """One replica (no `tf.distribute`), with the device-local accumulators
+    `backend` made under a JAX `keras.distribution` (`device_local`)."""
+
+    def __init__(self, backend: KerasOpsBackend):
+        self._backend = backend
+
+    def local_axis(self) -> tuple[device_local.DataAxis | None, str | None]:
+        backend = self._backend
+        if not backend.local or backend._axis is None:
+            return None, backend.why_not_local
+        axis, _ = device_local.data_axis()
+        same = axis is not None and (axis.name, axis.size) == (backend._axis.name, backend._axis.size)
+        return (axis if same else None), None
+
+    def local_devices(self, accumulator: Any) -> int:
+        return self._backend.local.get(id(accumulator), 0)

@@ -39,6 +39,115 @@ def _slice(data: Any, start: int, stop: int) -> Any:
     return tree.map_structure(lambda t: None if t is None else t[start:stop], data)
 
 
+def _given(args: tuple, kwargs: dict) -> dict[str, Any]:
+    """The arguments of a call of Keras's train step of the active backend
+    by name: `step(state, data)` on JAX, `step(data)` elsewhere."""
+    from gradaccum._backend import active
+
+    return dict(zip(("state", "data") if active() == "jax" else ("data",), args), **kwargs)
+
+
+def step_data(args: tuple, kwargs: dict) -> Any:
+    """The batch a call of Keras's train step (`args`, `kwargs`) is given."""
+    return _given(args, kwargs).get("data")
+
+
+def split_train_step(
+    step: Callable[..., Any], args: tuple, kwargs: dict, size: int, splitting: Callable[[Any], Any], model: Any
+) -> Any:
+    """Keras's train step `step(*args, **kwargs)` of the active backend, run
+    once per micro-batch of `size` samples, within `splitting(count)`;
+    `model` is the model it trains."""
+    from gradaccum._backend import active
+
+    given = _given(args, kwargs)
+    if active() == "jax":
+        return split_jax(step, given["state"], given["data"], size, splitting)
+    if active() == "torch":
+        return split_eagerly(step, given["data"], size, splitting)
+    from gradaccum._backend.tensorflow.micro_batches import split
+
+    return split(step, given["data"], size, splitting, model)
+
+
+def batch_by_batch(args: tuple, steps: int, run: Callable[..., Any], model: Any) -> Any:
+    """A call of Keras's train function of the active backend (`args`),
+    made one call per batch, so that a batch is at hand to run again.
+
+    Args:
+        args: What Keras hands its train function: an iterator (TensorFlow),
+            `fit`'s state and an iterator (JAX), a list of batches (PyTorch,
+            handed over whole).
+        steps: The batches one call takes (`steps_per_execution`).
+        run: `run(call, data, state=None)` runs `call(function)`, with
+            `function` a train function and `data` the batch it gets; JAX's
+            `state` too, which it returns with the logs.
+        model: The model `fit` trains.
+
+    Returns:
+        What Keras's train function returns: the logs (and on JAX the state).
+    """
+    from gradaccum._backend import active
+
+    backend = active()
+    if backend == "torch":
+        (batches,) = args
+        return run(lambda function: function(batches), batches[0])
+    state, iterator = args if backend == "jax" else (None, args[0])
+    logs = None
+    for data in _taken(iterator, steps):
+        # Each batch is handed over alone, in an iterator of its own.
+        if backend == "jax":
+            try:
+                logs, state = run(lambda f, s=state, d=data: f(s, iter([d])), data, state)
+            except MemoryError:
+                _keep_jax_state(model, state)
+                raise
+        else:
+            logs = run(lambda f, d=data: f(iter([d])), data)
+    return (logs, state) if backend == "jax" else logs
+
+
+def made_anew(model: Any, state: Any) -> None:
+    """Keras's `make_train_function(force=True)`. JAX's `fit` empties the
+    model's variables while it holds their `state` apart, and under a
+    `keras.distribution` Keras's function reads their shardings: they hold
+    the state while it is made, and are emptied again after."""
+    if state is None:
+        model.make_train_function(force=True)
+        return
+    _keep_jax_state(model, state)
+    try:
+        model.make_train_function(force=True)
+    finally:
+        model._purge_model_variables(
+            trainable_variables=True, non_trainable_variables=True, optimizer_variables=True, metrics_variables=True
+        )
+        # `fit` reads its state from the variables again only where they hold the newest.
+        model._jax_state_synced = False
+
+
+def _keep_jax_state(model: Any, state: Any) -> None:
+    """Writes the state of JAX's `fit` (held apart from the model's
+    variables while it runs) into the variables, as `fit` does when it ends:
+    a step that cannot run leaves the model as the last step did."""
+    names = ("trainable_variables", "non_trainable_variables", "optimizer_variables", "metrics_variables")
+    model._jax_state = dict(zip(names, state))
+    model._jax_state_synced = False
+    model.jax_state_sync()
+
+
+def _taken(iterator: Any, count: int) -> list[Any]:
+    """Up to `count` batches of `iterator`, at least one (else StopIteration)."""
+    taken = [next(iterator)]
+    for _ in range(count - 1):
+        try:
+            taken.append(next(iterator))
+        except StopIteration:
+            break
+    return taken
+
+
 def split_eagerly(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[[Any], Any]) -> Any:
     """Keras's PyTorch train step `step(data)`, once per micro-batch."""
     total = int(batch_size(data))

@@ -113,3 +113,23 @@ class OneReplica:
 
     def on_each(self, family: Any, fn: Callable[[], None]) -> None:
         fn()
+
+    def strategy_of(self, optimizer: Any) -> Any:
+        return None
+
+    def check_buildable(self, family: Any) -> None:
+        return None
+
+    def native(self, variable: Any) -> Any:
+        return variable
+
+    def apply_masked(self, optimizer: Any, grads: Sequence[Any], variables: Sequence[Any], masking: Any) -> None:
+        raise NotImplementedError(
+            f"The {keras.config.backend()!r} backend runs an optimizer's update whole: it has no `masking`."
+        )
+
+    def local_axis(self) -> tuple[Any, str | None]:
+        return None, None
+
+    def local_devices(self, accumulator: Any) -> int:
+        return 0

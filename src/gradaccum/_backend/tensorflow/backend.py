@@ -33,6 +33,7 @@ from gradaccum._backend.position import DevicePosition, Position
 from gradaccum._backend.tensorflow import distribution, tensors, updates
 from gradaccum._backend.tensorflow.gradients import TensorFlowGradients
 from gradaccum._backend.tensorflow.kept import Kept, saved_for_restore
+from gradaccum._backend.tensorflow.replicas import TensorFlowReplicas
 
 
 class TensorFlowBackend:
@@ -41,7 +42,7 @@ class TensorFlowBackend:
     counter_dtype = "int64"
     reads_back = True
     tensors = tensors.TensorFlowTensors()
-    replicas = distribution.TensorFlowReplicas()
+    replicas = TensorFlowReplicas()
     gradients = TensorFlowGradients()
 
     # ------------------------------------------------------------------

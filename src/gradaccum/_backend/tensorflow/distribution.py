@@ -245,25 +245,3 @@ def assign_each(
     for var, *args in zip(variables, *per_variable_args):
         strategy.extended.update(var, fn, args=tuple(args), group=False)
 
-
-class TensorFlowReplicas:
-    """The hooks of `gradaccum._backend.Replicas` under `tf.distribute`."""
-
-    def count(self) -> int:
-        return replicas_in_sync()
-
-    def index(self) -> int:
-        return replica_id()
-
-    def sum(self, values: Any) -> Any:
-        return sum_over_replicas(values)
-
-    def clip_as_one_device(self, grads: list[Any], clip: Callable[[list[Any]], list[Any]]) -> list[Any]:
-        return clip_as_one_device(grads, clip)
-
-    def on_each(self, family: Any, fn: Callable[[], None]) -> None:
-        strategy = family.strategy()
-        if strategy.num_replicas_in_sync > 1 and not in_replica_context():
-            run_per_replica(strategy, fn)
-        else:
-            fn()
