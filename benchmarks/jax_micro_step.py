@@ -23,7 +23,10 @@ optimizer) and "floor": plain JAX, no Keras, taking the same state as the
 accumulating optimizer (the model's variables, Adam's, one accumulator
 per variable), adding the gradients into the accumulators and handing
 everything else back unchanged: what any in-between step that keeps its
-sums in jitted state costs at least. Every round runs `--calls` calls of each variant, in an order
+sums in jitted state costs at least; "flat", the same with one flat
+accumulator for all variables (the gradients concatenated and added in
+one), and "flat, small", with one flat accumulator for the variables of at
+most `SMALL` elements and one per variable for the others. Every round runs `--calls` calls of each variant, in an order
 rotated (and reversed every other round), and takes the median wall time
 and the median CPU time of the process (all threads) of a call, each
 waited for with `block_until_ready`. Reported: the median over rounds of
@@ -46,7 +49,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 N = 4
-VARIANTS = ["plain", "plain (A/A)", "in-between", "floor"]
+VARIANTS = ["plain", "plain (A/A)", "in-between", "floor", "flat", "flat, small"]
+# "flat, small" packs only the variables of at most this many elements.
+SMALL = 1 << 14
 
 
 def make_model(kind: str):
@@ -70,8 +75,8 @@ def runner(kind: str, variant: str):
 
     model = make_model(kind)
     variables = model.trainable_variables
-    if variant == "floor":
-        return _floor(variables)
+    if variant == "floor" or variant.startswith("flat"):
+        return _floor(variables, variant)
     opt = keras.optimizers.Adam(1e-3)
     if variant == "in-between":
         opt = accumulate(opt, N)
@@ -105,7 +110,7 @@ def runner(kind: str, variant: str):
     return call
 
 
-def _floor(variables):
+def _floor(variables, variant: str):
     import jax
     import numpy as np
 
@@ -114,13 +119,24 @@ def _floor(variables):
 
     def step(state, grads):
         model, moments, sums = state
-        return model, moments, [s + g for s, g in zip(sums, grads)]
+        if variant == "floor":
+            return model, moments, [s + g for s, g in zip(sums, grads)]
+        packed = [g.ravel() for g in grads if variant == "flat" or g.size <= SMALL]
+        others = [g for g in grads if variant != "flat" and g.size > SMALL]
+        added = [sums[0] + jax.numpy.concatenate(packed)] if packed else []
+        return model, moments, added + [s + g for s, g in zip(sums[len(added):], others)]
 
     fn = jax.jit(step, donate_argnums=0)
+
     def zeros(copies: int) -> list:
         return [jax.numpy.zeros(v.shape, "float32") for _ in range(copies) for v in variables]
 
-    state = {"state": ([v.value for v in variables], zeros(2), zeros(1))}
+    sums = zeros(1)
+    if variant != "floor":  # one flat accumulator (all float32 here), and one per variable left out
+        packed = [v for v in variables if variant == "flat" or int(np.prod(v.shape)) <= SMALL]
+        others = [jax.numpy.zeros(v.shape, "float32") for v in variables if not any(v is p for p in packed)]
+        sums = [jax.numpy.zeros(sum(int(np.prod(v.shape)) for v in packed), "float32")] + others
+    state = {"state": ([v.value for v in variables], zeros(2), sums)}
 
     def call() -> None:
         state["state"] = fn(state["state"], grads)
