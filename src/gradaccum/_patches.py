@@ -212,7 +212,12 @@ def install(group: str = "accumulate") -> None:
             return
         import keras
 
-        specs = for_backend(ACCUMULATE if group == "accumulate" else LAYERS, keras.config.backend())
+        backend = keras.config.backend()
+        if backend not in ("tensorflow", "jax", "torch"):
+            # Nothing of gradaccum runs there (its caller raises): installing
+            # now would leave out the patches of the backend that trains later.
+            return
+        specs = for_backend(ACCUMULATE if group == "accumulate" else LAYERS, backend)
         _installed[group] = [Patch.of(spec) for spec in specs]
 
 

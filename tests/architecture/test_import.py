@@ -36,6 +36,29 @@ def test_a_backend_that_cannot_train_is_named(monkeypatch, name):
         accumulate(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), 2)
 
 
+def test_a_refused_backend_leaves_the_patches_to_the_one_that_trains():
+    """A first `accumulate` refused under a backend that cannot train
+    installs nothing, so that the first one on the real backend installs its
+    trainer's patches: a split step then applies once per batch."""
+    out = run_python(
+        """
+        import unittest.mock, numpy as np, keras, gradaccum
+        with unittest.mock.patch.object(keras.config, "backend", lambda: "numpy"):
+            try:
+                gradaccum.accumulate(keras.optimizers.SGD(0.1), 2)
+            except ValueError:
+                pass
+        opt = gradaccum.accumulate(keras.optimizers.SGD(0.1), micro_batch_size=2)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(np.ones((8, 3)), np.ones((8, 1)), batch_size=4, verbose=0)
+        print(int(opt.iterations))
+        """,
+        env={"KERAS_BACKEND": BACKEND},
+    )
+    assert out.strip().splitlines()[-1] == "2", out
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("jax") is None, reason="Keras's numpy backend imports JAX (keras3-jax runs this)"
 )
