@@ -5,11 +5,11 @@ with. It is chosen on the first batch of `fit` (`start`):
 
 - JAX, and TensorFlow with `jit_compile=True`: predicted before running,
   from XLA's compiled memory analysis of the train step
-  (`_backend.micro_batches.step_bytes`): the whole batch is measured; if
-  it does not fit the limit, the step split into halves, and a line
-  through the two gives the largest size under the limit. At most 2
-  compilations; a size below a half is extrapolated, and the
-  out-of-memory retry is the fallback.
+  (`_backend.micro_batches.step_bytes`): the step split into halves is
+  measured; if it fits, the whole batch is measured too; if not, the step
+  split into quarters, and a line through the two split steps gives the
+  largest size under the limit. At most 2 compilations; a size below a
+  quarter is extrapolated, and the out-of-memory retry is the fallback.
 - TensorFlow without XLA and PyTorch: probed: the whole batch first.
 
 With several JAX processes, all trace the smallest size any of them chose
@@ -138,25 +138,26 @@ class Search:
         limit = self.limit if self.limit is not None else _device().free_bytes()
         if limit is None:
             return batch
-        # The whole batch first: where it fits, one compilation decides.
-        top = self._measure(measure, batch)
-        if top <= limit:
-            return batch
         if batch == 1:
-            self._refuse(top, limit)
-        # The bytes grow by about a constant per sample of the micro-batch:
-        # a line through the whole batch and its half gives the largest
-        # size that fits (the half itself measured, not extrapolated).
+            single = self._measure(measure, 1)
+            return 1 if single <= limit else self._refuse(single, limit)
+        # Split steps (a loop over micro-batches) grow by about a constant
+        # per sample; the whole batch, traced without the loop, is off that
+        # line, so the line goes through two split steps: halves, quarters.
         half = batch // 2
-        low = self._measure(measure, half)
-        if low <= limit:
-            return balanced(batch, half)
-        slope = (top - low) / (batch - half)
+        at_half = self._measure(measure, half)
+        if at_half <= limit:
+            return batch if self._measure(measure, batch) <= limit else balanced(batch, half)
+        quarter = batch // 4
+        if quarter == 0:
+            self._refuse(at_half, limit)
+        at_quarter = self._measure(measure, quarter)
+        slope = (at_half - at_quarter) / (half - quarter)
         if slope <= 0:
-            self._refuse(low, limit)
-        size = int(half + (limit - low) // slope)
+            return balanced(batch, quarter) if at_quarter <= limit else self._refuse(at_quarter, limit)
+        size = min(half - 1, int(quarter + (limit - at_quarter) // slope))
         if size < 1:
-            self._refuse(low - slope * (half - 1), limit)
+            self._refuse(at_quarter - slope * (quarter - 1), limit)
         return balanced(batch, size)
 
     def _measure(self, measure: Callable[[int], int], size: int) -> int:
