@@ -20,7 +20,15 @@ import pytest
 import tensorflow as tf
 
 from gradaccum import accumulate
-from tests.helpers import MODES, assert_states_close, assert_states_equal, full_state, make_data, make_mlp
+from tests.helpers import (
+    MODES,
+    assert_states_close,
+    assert_states_equal,
+    full_state,
+    internal_state,
+    make_data,
+    make_mlp,
+)
 from tests.helpers.distribute import distributed_batches, mirrored
 
 N, B, CYCLES = 2, 4, 3
@@ -305,3 +313,28 @@ def test_in_between_micro_step_on_one_replica_grows_with_the_variables_as_keras_
 
     assert grown(ours) <= grown(reference), (ours[6] - ours[1], reference[6] - reference[1])
     assert ours[6]["If"] == ours[1]["If"]
+
+
+def _fit_one_cycle(mode):
+    """One cycle of `fit` (traced, one replica, no XLA) with
+    `accumulate(Adam, N, mode)`. Returns the state and the raw accumulators."""
+    x, y = make_data(B * N)
+    model = make_mlp()
+    opt = accumulate(keras.optimizers.Adam(1e-2), N, mode=mode)
+    model.compile(optimizer=opt, loss="mse", jit_compile=False)
+    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    return full_state(model, opt), [np.array(a) for a in internal_state(opt).accumulators]
+
+
+def test_traced_apply_step_on_one_replica_divides_into_new_tensors_as_skip_does():
+    """The default mode's apply step on one replica reads the sums and hands
+    the optimizer their quotients as new tensors, as skip mode does, rather
+    than writing them over the sums: a quotient held by no variable is one
+    the optimizer's update may overwrite in place, and the division writes
+    no variable. After the cycle both hold the same sums, and the same
+    state."""
+    masked_state, masked_sums = _fit_one_cycle("masked")
+    skip_state, skip_sums = _fit_one_cycle("skip")
+    assert_states_close(skip_state, masked_state)
+    for masked, skipped in zip(masked_sums, skip_sums, strict=True):
+        np.testing.assert_array_equal(masked, skipped)

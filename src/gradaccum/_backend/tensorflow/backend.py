@@ -13,7 +13,8 @@ update of the step that ends a cycle runs one of two ways (`updates`):
   place on the apply step, so the update reads them directly; eagerly,
   into new tensors, so an update that raises leaves the sums. On one
   replica without XLA, where there is nothing to synchronise, the whole
-  update (division, reads, clipping, writes) is that one branch.
+  update (reads, division into new tensors, clipping, writes) is that one
+  branch.
 - `"skip"`: the update runs only on the apply step, decided in
   cross-replica context, so replicas all-reduce once per cycle.
 """
@@ -289,12 +290,21 @@ def _in_one_branch(update: Update, strategy: tf.distribute.Strategy) -> bool:
     """Runs a traced masked update of one replica, outside XLA, in one branch.
 
     With one replica there is no all-reduce to keep out of a branch, so
-    everything of the update (the division of the sums in place, the
-    reads, unscaling, clipping and the writes) runs in one `tf.cond` taken
-    on the apply step: an in-between micro-step runs no part of it, as
-    with Keras's own `gradient_accumulation_steps`. Elsewhere (eagerly,
-    under XLA, several replicas, an update `split_apply` cannot run)
-    nothing is done.
+    everything of the update (the reads, the division of the sums,
+    unscaling, clipping and the writes) runs in one `tf.cond` taken on the
+    apply step: an in-between micro-step runs no part of it, as with
+    Keras's own `gradient_accumulation_steps`. Elsewhere (eagerly, under
+    XLA, several replicas, an update `split_apply` cannot run) nothing is
+    done.
+
+    The sums are divided into new tensors, not in place: a quotient that
+    no variable holds is a buffer the optimizer's update may write its
+    own results into (TensorFlow forwards an input's buffer to an output
+    where nothing else holds it), where one written back into an
+    accumulator makes each of its readers allocate and fill a buffer of
+    its own. The quotients, alive together until the update has read
+    them, take as much memory as the micro-step's gradients, which are
+    alive together until the add before the branch takes them all.
 
     Returns:
         Whether the update was run so.
@@ -310,12 +320,13 @@ def _in_one_branch(update: Update, strategy: tf.distribute.Strategy) -> bool:
     ):
         return False
     divisor = update.divisor
-    in_place = [a for a, d in zip(update.accumulators, update.divided) if d and divisor is not None]
 
     def run() -> None:
-        tensors.divide_in_place(in_place, divisor)
+        values = _read(update.accumulators)
+        if divisor is not None:
+            values = [v / tf.cast(divisor, v.dtype) if d else v for v, d in zip(values, update.divided)]
         # Inside the branch the cycle ends: only the conditions remain.
-        update.apply(_read(update.accumulators), masking=updates.Masking(None, _conditions(update)))
+        update.apply(values, masking=updates.Masking(None, _conditions(update)))
 
     tf.cond(update.ends, run, tensors.nothing)
     return True
