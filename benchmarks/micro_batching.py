@@ -125,11 +125,12 @@ def timed_search(limit: int, x: np.ndarray, y: np.ndarray, epochs: int = 1) -> t
     return seconds, model, clocks
 
 
-def search_cost(limit: int, x: np.ndarray, y: np.ndarray) -> tuple[int, np.ndarray]:
-    """The compilations of the search and their (wall, CPU) seconds, the
-    median of 3 fresh models."""
-    runs = [timed_search(limit, x[:B], y[:B])[0] for _ in range(3)]
-    return len(runs[0]), np.median([np.sum(r, axis=0) for r in runs], axis=0)
+def search_cost(limit: int, x: np.ndarray, y: np.ndarray) -> tuple[int, int, np.ndarray]:
+    """The compilations of the search, the size it chose and their (wall,
+    CPU) seconds, the median of 3 fresh models."""
+    runs = [timed_search(limit, x[:B], y[:B])[:2] for _ in range(3)]
+    seconds = np.median([np.sum(r, axis=0) for r, _ in runs], axis=0)
+    return len(runs[0][0]), runs[0][1].optimizer.micro_batch_size, seconds
 
 
 def interleaved(variants: dict[str, tuple[keras.Model, int]], x: np.ndarray, y: np.ndarray,
@@ -167,8 +168,9 @@ def main() -> None:
     limit = plain // 2
     print(f"plain step of {B}: {plain / 2**20:.1f} MiB (XLA analysis); memory_limit {limit / 2**20:.1f} MiB")
 
-    count, (search_wall, search_cpu) = search_cost(limit, x, y)
-    print(f"search: {count} compilations, {search_wall:.2f} s wall, {search_cpu:.2f} s CPU (median of 3 models)")
+    count, size, (search_wall, search_cpu) = search_cost(limit, x, y)
+    print(f"search: {count} compilations choosing {size}, {search_wall:.2f} s wall, {search_cpu:.2f} s CPU "
+          "(median of 3 models)")
     if args.search_only:
         return
 

@@ -150,8 +150,9 @@ def test_memory_limit_predicts_the_largest_size_that_fits(caplog):
     run out of memory here) on JAX and on TensorFlow with XLA, from two
     compilations: the step split into halves and into quarters, the bytes'
     line through them (the whole batch, traced without the loop, lies off
-    that line: through it and the halves TensorFlow's line gave 64). SGD, whose step follows the gradient: Adam's normalised step turns
-    the float32 rounding of this wide layer's summed micro-batches into
+    that line: through it and the halves TensorFlow's line gave 64). SGD,
+    whose step follows the gradient: Adam's normalised step turns the
+    float32 rounding of this wide layer's summed micro-batches into
     differences above the tolerance on components that cancel, with any
     fixed size too."""
     batch = 512
