@@ -222,9 +222,9 @@ class Core:
         with self.backend.after(grads, variables, weight):
             checks = self.weights.checks()
             first, steps, ends = state.position.next(self.cycle, self.family.iterations, checks, self.cycle.index)
-            with checked(self.backend, checks):
+            with checked(self.backend, checks) as asserted:
                 first, steps, ends, weight, grads = self.weights.refused_unless(
-                    state, first, steps, ends, weight, grads, indices)
+                    state, first, steps, ends, weight, grads, indices, asserted)
                 ends = self.backend.ordered(ends)  # a merge call's branch waits for the checks too
                 state.check_unmet(ends)
                 with unchanged_if_raised(state, self.backend, ends):

@@ -109,7 +109,8 @@ class Weights:
         return [] if accepted is None else [(lambda: accepted, WEIGHT_MESSAGE)]
 
     def refused_unless(
-        self, state: Any, first: Any, steps: Any, ends: Any, weight: Any, grads: Sequence[Any], indices: Sequence[int]
+        self, state: Any, first: Any, steps: Any, ends: Any, weight: Any, grads: Sequence[Any], indices: Sequence[int],
+        asserted: bool,
     ) -> tuple[Any, Any, Any, Any, list[Any]]:
         """A micro-step's `(first, steps, ends, weight, grads)`, made to
         write nothing new unless its traced weight is `accepted` (as given
@@ -127,9 +128,12 @@ class Weights:
             first, steps, ends, weight: As the micro-step has them.
             grads: The micro-step's gradients (None where a variable has none).
             indices: Each gradient's position in the state.
+            asserted: Whether a run-time assertion of `accepted` stops the
+                micro-step before it writes (`checked`): then nothing is
+                refused here, and the gradients are not selected again.
         """
         accepted, backend = self.accepted, self._backend
-        if accepted is None:
+        if accepted is None or asserted:
             return first, steps, ends, weight, list(grads)
 
         def refused(grad: Any, index: int) -> Any:
@@ -182,12 +186,12 @@ class Weights:
 
 
 @contextlib.contextmanager
-def checked(backend: Backend, checks: Sequence[tuple[Callable[[], Any], str]]) -> Iterator[None]:
+def checked(backend: Backend, checks: Sequence[tuple[Callable[[], Any], str]]) -> Iterator[bool]:
     """Runs the block's ops after the run-time `checks` (condition,
     message), where the backend asserts at run time (a `tf.function`
-    without XLA), so that a failed one leaves the state as it was."""
+    without XLA), so that a failed one leaves the state as it was. Yields
+    whether every check is asserted so (nothing then runs unless it holds)."""
     with contextlib.ExitStack() as stack:
-        for condition, message in checks:
-            stack.enter_context(backend.tensors.guarded(condition, message))
-        yield
+        asserted = [stack.enter_context(backend.tensors.guarded(c, m)) for c, m in checks]
+        yield bool(asserted) and all(asserted)
 

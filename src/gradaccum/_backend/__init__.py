@@ -152,10 +152,10 @@ class Tensors(Protocol):
         backend has one (not JAX; TensorFlow's, which XLA drops, not under
         XLA; PyTorch's, on the device, also eagerly); else nothing."""
 
-    def guarded(self, condition: Callable[[], Any], message: str) -> contextlib.AbstractContextManager[None]:
+    def guarded(self, condition: Callable[[], Any], message: str) -> contextlib.AbstractContextManager[bool]:
         """Within the block, ops of a traced step run only where
         `condition()` holds at run time (an assertion), where the backend
-        has one; else nothing."""
+        has one; else nothing. Yields whether it has one."""
 
 
 class Replicas(Protocol):

@@ -93,7 +93,7 @@ class KerasOpsTensors:
         return None  # no cheap run-time assertion: JAX checks nothing at run time
 
     def guarded(self, condition: Callable[[], Any], message: str) -> Any:
-        return contextlib.nullcontext()  # no cheap run-time assertion (see `gradaccum._cycle`)
+        return contextlib.nullcontext(False)  # no cheap run-time assertion (see `gradaccum._cycle`)
 
 
 class OneReplica:

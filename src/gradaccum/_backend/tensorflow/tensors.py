@@ -308,12 +308,12 @@ class TensorFlowTensors:
         return any_nonzero(variables)
 
     def assert_that(self, condition: Callable[[], Any], message: str) -> Any:
-        if tf.executing_eagerly():
-            return None
+        if tf.executing_eagerly() or compiled_by_xla():
+            return None  # XLA drops assertions
         return tf.debugging.Assert(condition(), [message])
 
     @contextlib.contextmanager
-    def guarded(self, condition: Callable[[], Any], message: str) -> Iterator[None]:
+    def guarded(self, condition: Callable[[], Any], message: str) -> Iterator[bool]:
         check = self.assert_that(condition, message)
         with tf.control_dependencies([] if check is None else [check]):
-            yield
+            yield check is not None
