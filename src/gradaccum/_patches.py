@@ -198,6 +198,8 @@ def _method(original: Callable[..., Any], wrapper: Wrapper) -> Callable[..., Any
     return method
 
 
+# The backends whose trainers the patches may target.
+_TRAINERS = ("tensorflow", "jax", "torch")
 _installed: dict[str, list[Patch]] = {}
 _lock = threading.Lock()
 
@@ -213,7 +215,7 @@ def install(group: str = "accumulate") -> None:
         import keras
 
         backend = keras.config.backend()
-        if backend not in ("tensorflow", "jax", "torch"):
+        if backend not in _TRAINERS:
             # Nothing of gradaccum runs there (its caller raises): installing
             # now would leave out the patches of the backend that trains later.
             return
@@ -224,7 +226,7 @@ def install(group: str = "accumulate") -> None:
 def for_backend(specs: tuple[Spec, ...], backend: str) -> tuple[Spec, ...]:
     """`specs` without the patches of another backend's trainer or library
     (whose module would import that backend)."""
-    others = [b for b in ("tensorflow", "jax", "torch") if b != backend]
+    others = [b for b in _TRAINERS if b != backend]
     return tuple(s for s in specs if not any(f".{b}." in f".{s.target}" for b in others))
 
 
