@@ -326,6 +326,12 @@ def step_bytes(step: Callable[..., Any], state: Any, data: Any) -> int:
         _INJECTED["measuring"] = False
 
 
+# The buffers XLA assigns, all the analysis reads, are decided on the
+# optimised HLO, before the backend generates code: code generated without
+# optimising gives the same bytes in about 0.5-0.7x the compile time.
+MEASURING_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
 def _jax_step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> int:
     import jax
 
@@ -333,7 +339,7 @@ def _jax_step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> i
         return None if t is None else jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=getattr(t, "sharding", None))
 
     lowered = jax.jit(step).lower(tree.map_structure(abstract, state), tree.map_structure(abstract, data))
-    memory = lowered.compile().memory_analysis()
+    memory = lowered.compile(compiler_options=MEASURING_OPTIONS).memory_analysis()
     return int(
         memory.argument_size_in_bytes
         + memory.output_size_in_bytes
