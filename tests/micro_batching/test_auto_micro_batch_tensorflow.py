@@ -117,3 +117,25 @@ def test_xla_under_two_replicas_fails_in_keras_itself_and_is_not_measured():
         fit(plain, plain_opt, x, y, B, jit_compile=True)
     with pytest.raises(tf.errors.InvalidArgumentError, match="Trying to access resource"):
         _mirrored_auto(x, y, jit_compile=True)
+
+
+def test_a_size_chosen_on_one_device_that_replicas_cannot_share_is_chosen_again():
+    """A config keeps the size chosen: 3 on one device (6 samples do not fit
+    whole). Two replicas cannot share micro-batches of 3: the optimizer made
+    from the config under the strategy probes again (6, which fits there)."""
+    batch = 6
+    x, y = make_data(3 * batch)
+    model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size="auto")
+    with out_of_memory_above(3):
+        fit(model, opt, x, y, batch)
+    assert opt.micro_batch_size == 3
+    reference = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(*reference, x, y, batch)
+    strategy = mirrored()
+    with strategy.scope():
+        model = make_mlp()
+        opt = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))
+    assert opt.micro_batch_size == 3
+    fit(model, opt, x, y, batch)
+    assert opt.micro_batch_size == batch
+    assert_states_close(full_state(*reference), full_state(model, opt))
