@@ -18,8 +18,11 @@ With several JAX processes, all trace the smallest size any of them chose
 Sizes are balanced (`balanced`): the fewest micro-batches `k` that fit and
 divide the batch (any int, not only powers of two), else `ceil(B / k)` with
 a ragged last one. Where a step runs out of memory anyway, the same batch
-runs again with more micro-batches (`smaller`), never fewer later. The size is logged once (logger
-`"gradaccum"`, at INFO) and read by `opt.micro_batch_size`; configs keep it.
+runs again with more micro-batches (`smaller`), never fewer later. Under a
+`tf.distribute` strategy a size counts the samples over all replicas (as
+`micro_batch_size=m` does), a multiple of their number (`unit`): the search
+runs on a replica's share of the batch, probed. The size is logged once
+(logger `"gradaccum"`, at INFO) and read by `opt.micro_batch_size`; configs keep it.
 """
 
 from __future__ import annotations
@@ -57,22 +60,29 @@ class Search:
         self.limit = limit
         self.size = chosen
         self.compilations = 0
+        self.unit = 1
 
-    def start(self, batch: int, measure: Callable[[int], int] | None) -> int:
-        """Chooses the size for batches of `batch` samples, where none is.
+    def start(self, batch: int, measure: Callable[[int], int] | None, unit: int = 1) -> int:
+        """Chooses the size for batches of `batch` samples, where none is
+        (or the one a config gave is not a multiple of `unit`).
 
         Args:
-            batch: The first batch's samples.
+            batch: The batch's samples (over all replicas).
             measure: The bytes of the step at a given size (one compilation
                 each), or None where the backend cannot tell (probing).
+            unit: The replicas that each compute an equal share of a
+                micro-batch: every size is a multiple of it.
 
         Returns:
             The size.
 
         Raises:
-            MemoryError: If the step does not fit even at micro-batches of 1.
+            MemoryError: If the step does not fit even at micro-batches of 1
+                sample a replica.
         """
-        if self.size is None:
+        self.unit = unit
+        if self.size is None or self.size % unit:
+            share = -(-batch // unit)
             if measure is None and self.limit is not None:
                 warnings.warn(
                     f"micro_batch_size=\"auto\": memory_limit={self.limit} predicts the size on JAX and on "
@@ -81,8 +91,10 @@ class Search:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-            size = self._agreed(lambda: batch if measure is None else self._predicted(batch, measure))
-            self._choose(size, "predicted" if measure is not None else "probed from the batch")
+            size = self._agreed(
+                lambda: share if measure is None else self._predicted(share, lambda s: measure(s * unit))
+            )
+            self._choose(size * unit, "predicted" if measure is not None else "probed from the batch")
         return self.size
 
     @staticmethod
@@ -106,13 +118,17 @@ class Search:
 
     def smaller(self, batch: int, error: BaseException) -> int:
         """The size after a step with `size` ran out of memory: one
-        micro-batch more for the same batch.
+        micro-batch more for the same batch (of `batch` samples over all
+        replicas; a multiple of `unit`, as `start` was given).
 
         Raises:
-            MemoryError: If the size is 1 already, saying what the device
-                has; chained to `error`.
+            MemoryError: If the size is 1 sample a replica already, saying
+                what the device has; chained to `error`.
         """
-        size = min(self.size or batch, batch)
+        # Counted in a replica's share of the batch (the whole batch on one).
+        unit = self.unit
+        share = -(-batch // unit)
+        size = min((self.size or batch) // unit, share)
         if _device().several_processes():
             # The other processes may be inside the step they agreed on,
             # waiting for this one in its collectives: a step traced anew
@@ -124,14 +140,15 @@ class Search:
                 f"for the prediction. The device said: {error}"
             ) from error
         if size <= 1:
+            smallest = "1 sample" if unit == 1 else f"{unit} samples (1 a replica, each on its own device)"
             raise MemoryError(
-                "micro_batch_size=\"auto\": the train step does not fit even at micro-batches of 1 sample; "
+                f"micro_batch_size=\"auto\": the train step does not fit even at micro-batches of {smallest}; "
                 f"{self._has()} The device said: {error}"
             ) from error
-        count = math.ceil(batch / size) + 1
-        while balanced(batch, math.ceil(batch / count)) >= size:
+        count = math.ceil(share / size) + 1
+        while balanced(share, math.ceil(share / count)) >= size:
             count += 1
-        self._choose(balanced(batch, math.ceil(batch / count)), f"after running out of memory at {size}")
+        self._choose(unit * balanced(share, math.ceil(share / count)), f"after running out of memory at {size * unit}")
         return self.size
 
     def _predicted(self, batch: int, measure: Callable[[int], int]) -> int:

@@ -51,16 +51,17 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
         return wrapped(*args, **kwargs)
     size = core.settings.micro_batch_size
     if size == "auto" or _device().injecting():
-        total = _device().batch_size(_device().step_data(args, kwargs))
+        # This replica's share of the batch; sizes count over all replicas.
+        total, replicas = _device().batch_size(_device().step_data(args, kwargs)), _device().replicas(instance)
         if size == "auto":
-            size = _auto_size.search_of(core).size or total
+            size = _auto_size.search_of(core).size or (None if total is None else total * replicas)
             if size is None:
                 raise ValueError(
                     "micro_batch_size=\"auto\" chooses the micro-batch in `model.fit`'s train function; "
                     "this train step was called outside it on a batch whose size the trace does not know."
                 )
         if _device().injecting():
-            wrapped = _injecting(wrapped, size, total)
+            wrapped = _injecting(wrapped, max(1, size // replicas), total, replicas, instance)
     return _device().split_train_step(
         wrapped, args, kwargs, size, functools.partial(_splitting_into, core), instance
     )
@@ -73,17 +74,17 @@ def _device() -> Any:
     return micro_batches
 
 
-def _injecting(step: Callable[..., Any], size: int, total: Any) -> Callable[..., Any]:
+def _injecting(step: Callable[..., Any], share: int, total: Any, replicas: int, model: Any) -> Callable[..., Any]:
     """`step`, raising the test hook's out-of-memory error on the micro-batch
-    it asks for (`_backend.micro_batches.out_of_memory_above`)."""
+    it asks for (`_backend.micro_batches.out_of_memory_above`): of `share`
+    samples of this replica's `total`, counted over all `replicas`."""
     known = isinstance(total, int)
-    count = -(-total // size) if known else None
-    largest = min(size, total) if known else size
+    count = -(-total // share) if known else None
+    largest = (min(share, total) if known else share) * replicas
 
     def run(*args: Any, **kwargs: Any) -> Any:
         calls.append(None)
-        _device().raise_if_injected(largest, last=len(calls) == count)
-        return step(*args, **kwargs)
+        return _device().run_injected(step, args, kwargs, largest, len(calls) == count, model)
 
     calls: list[None] = []
 
@@ -99,7 +100,7 @@ def make_train_function(wrapped: Callable[..., Any], instance: Any, args: tuple,
     function = getattr(instance, "train_function", None)
     auto = core is not None and core.settings.micro_batch_size == "auto"
     if auto and function is not None and not isinstance(function, Retrying):
-        _device().check_one_replica(instance)
+        _device().check_auto(instance)
         instance.train_function = Retrying(instance, core, function)
     return result
 
@@ -132,9 +133,9 @@ class Retrying:
         search = _auto_size.search_of(self.core)
         batch = micro_batches.batch_size(data)
         batch = int(batch) if batch is not None else None
-        if search.size is None and batch is not None:
+        if batch is not None:
             measure = _measuring(self.model, search, state, data) if micro_batches.measures(self.model) else None
-            search.start(batch, measure)
+            search.start(batch, measure, micro_batches.replicas(self.model))
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
             size = search.size
@@ -190,7 +191,8 @@ def _saved(model: Any, core: Any) -> Callable[[], None]:
     """What a split step writes before its update, and how to put it back:
     the model's non-trainable variables (statistics, seeds), its metrics,
     the optimizer's scalars (counters, a loss scale) and the accumulation's
-    counters. The accumulators are left out: a cycle's first micro-step
+    counters; of a `tf.distribute` variable, every replica's copy. The
+    accumulators are left out: a cycle's first micro-step
     writes over them."""
     backend = core.backend
     if core.state is None:
@@ -203,6 +205,7 @@ def _saved(model: Any, core: Any) -> Callable[[], None]:
         if id(v) not in seen:
             seen.add(id(v))
             variables.append(v)
+    variables = _device().copies(variables)
     values = [backend.snapshot(v) for v in variables]
     state = _atomic.saved(core.state, backend, accumulators=False)
 

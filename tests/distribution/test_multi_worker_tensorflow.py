@@ -10,6 +10,10 @@ loop against the same loop on one device with batch `B * n`.
 with or without accumulation (keras-team/keras#20585). The workers try it;
 the test accepts only that known failure, and checks fit's results against
 the single-device fit reference as soon as Keras runs it.
+
+`micro_batch_size="auto"` is refused on several workers: each would choose
+its size, and run a batch again smaller, on its own, while the others wait
+in the step's collectives.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tests.helpers import assert_states_close, fit, full_state, make_mlp
@@ -74,8 +79,13 @@ def _reference(mode: str) -> dict[str, np.ndarray]:
     return full_state(model, optimizer)
 
 
-def test_two_workers_match_single_device_large_batch(tmp_path):
-    results = _run_workers(tmp_path)
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """What both workers recorded, from one run of them for every test."""
+    return _run_workers(tmp_path_factory.mktemp("workers"))
+
+
+def test_two_workers_match_single_device_large_batch(results):
     modes = ["custom_loop", "fit"]
     fit_errors = [str(r["fit/error"]) for r in results if "fit/error" in r]
     if fit_errors:
@@ -97,3 +107,9 @@ def test_two_workers_match_single_device_large_batch(tmp_path):
         final = states[-1][0]
         assert final["iterations"] == worker.CYCLES, mode
         assert_states_close(_reference(mode), final)
+
+
+def test_two_workers_refuse_auto_micro_batch_size(results):
+    for result in results:
+        error = str(result.get("auto/error", ""))
+        assert "several workers" in error and "micro_batch_size=m" in error, error

@@ -7,7 +7,9 @@ micro-step, and writes everything to the `.npz` file named on the command
 line. Keras 3.15's `model.fit` cannot run under MultiWorkerMirroredStrategy
 at all (its symbolic build reduces the first batch with `strategy.reduce`,
 which fails for any model and optimizer); the worker then records the
-traceback under `fit/error` for the test to check.
+traceback under `fit/error` for the test to check. Last it makes the train
+function of a model whose optimizer has `micro_batch_size="auto"`, which
+several workers refuse, and records the error under `auto/error`.
 
     python -m tests.helpers.mwms_worker OUTPUT.npz
 """
@@ -81,6 +83,16 @@ def _run(strategy: tf.distribute.Strategy, mode: str) -> dict[str, np.ndarray]:
     return out
 
 
+def _auto_train_function(strategy: tf.distribute.Strategy) -> None:
+    """Makes the train function of `fit` with `micro_batch_size="auto"`
+    (which `fit` itself does not reach here: see above)."""
+    with strategy.scope():
+        model = make_mlp()
+        optimizer = accumulate(make_optimizer(), micro_batch_size="auto")
+    model.compile(optimizer=optimizer, loss="mse")
+    model.make_train_function()
+
+
 def main(path: str) -> None:
     # The strategy must exist before TensorFlow runs anything else.
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -91,6 +103,10 @@ def main(path: str) -> None:
         results.update(_run(strategy, "fit"))
     except Exception:  # noqa: BLE001 -- reported to the test, which decides
         results["fit/error"] = np.asarray(traceback.format_exc())
+    try:
+        _auto_train_function(strategy)
+    except ValueError as error:
+        results["auto/error"] = np.asarray(str(error))
     np.savez(path, **results)
 
 

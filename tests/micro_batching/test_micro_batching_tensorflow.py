@@ -112,9 +112,11 @@ def test_embeddings_under_mirrored_strategy_equal_plain_fit(kind, samples):
         (SIZE, lambda o: o, {}, r"micro_batch_size=3.*2 replicas.*multiple of 2"),
         (4, lambda o: o, {"run_eagerly": True}, r"micro_batch_size=4.*2 replicas.*run_eagerly.*n=k"),
         (4, keras.optimizers.LossScaleOptimizer, {}, r"micro_batch_size=4.*2 replicas.*LossScaleOptimizer.*n=k"),
-        ("auto", lambda o: o, {}, r"micro_batch_size=\"auto\".*2 replicas.*micro_batch_size=m"),
+        ("auto", lambda o: o, {"run_eagerly": True}, r"micro_batch_size='auto'.*2 replicas.*run_eagerly.*n=k"),
+        ("auto", keras.optimizers.LossScaleOptimizer, {},
+         r"micro_batch_size='auto'.*2 replicas.*LossScaleOptimizer.*n=k"),
     ),
-    ids=("micro_batch_not_whole_shares", "eager", "loss_scale", "auto"),
+    ids=("micro_batch_not_whole_shares", "eager", "loss_scale", "auto_eager", "auto_loss_scale"),
 )
 def test_mirrored_strategy_refuses_what_it_cannot_split(size, wrap, compile_kwargs, match):
     x, y = make_data(2 * B)

@@ -28,11 +28,37 @@ from typing import Any
 import numpy as np
 from keras import tree
 
+from gradaccum._backend import active
+
 
 def batch_size(data: Any) -> Any:
-    """The size of the batch axis of `data`'s first tensor (None if unknown)."""
+    """The size of the batch axis of `data`'s first tensor (None if unknown):
+    of a `tf.distribute` iterator's element, the samples of every replica."""
     leaf = next(t for t in tree.flatten(data) if t is not None)
+    if not hasattr(leaf, "shape"):
+        from gradaccum._backend.tensorflow.micro_batches import replicas_batch_size
+
+        return replicas_batch_size(leaf)
     return leaf.shape[0]
+
+
+def replicas(model: Any) -> int:
+    """The replicas that each compute an equal share of every micro-batch of
+    `model`'s train step: a `tf.distribute` strategy's replicas in sync (1
+    elsewhere: JAX's step takes the whole batch, sharded by its compiler)."""
+    strategy = getattr(model, "distribute_strategy", None) if active() == "tensorflow" else None
+    return 1 if strategy is None else strategy.num_replicas_in_sync
+
+
+def copies(variables: list[Any]) -> list[Any]:
+    """`variables`, each `tf.distribute` one as every replica's own copy:
+    a replica-local variable's copies differ, and its own `assign` splits
+    one value among them."""
+    if active() != "tensorflow":
+        return list(variables)
+    from gradaccum._backend.tensorflow import distribution
+
+    return [c for v in variables for c in distribution.copies(distribution.tf_variable(v))]
 
 
 def _slice(data: Any, start: int, stop: int) -> Any:
@@ -42,8 +68,6 @@ def _slice(data: Any, start: int, stop: int) -> Any:
 def _given(args: tuple, kwargs: dict) -> dict[str, Any]:
     """The arguments of a call of Keras's train step of the active backend
     by name: `step(state, data)` on JAX, `step(data)` elsewhere."""
-    from gradaccum._backend import active
-
     return dict(zip(("state", "data") if active() == "jax" else ("data",), args), **kwargs)
 
 
@@ -58,8 +82,6 @@ def split_train_step(
     """Keras's train step `step(*args, **kwargs)` of the active backend, run
     once per micro-batch of `size` samples, within `splitting(count)`;
     `model` is the model it trains."""
-    from gradaccum._backend import active
-
     given = _given(args, kwargs)
     if active() == "jax":
         return split_jax(step, given["state"], given["data"], size, splitting)
@@ -87,8 +109,6 @@ def batch_by_batch(args: tuple, steps: int, run: Callable[..., Any], model: Any)
     Returns:
         What Keras's train function returns: the logs (and on JAX the state).
     """
-    from gradaccum._backend import active
-
     backend = active()
     if backend == "torch":
         (batches,) = args
@@ -193,7 +213,9 @@ _INJECTED: dict[str, Any] = {"above": None, "measuring": False}
 def out_of_memory_above(size: int) -> Iterator[None]:
     """For tests: inside the block, a split train step whose micro-batches
     are larger than `size` samples raises the active backend's own
-    out-of-memory error (see `raise_if_injected`)."""
+    out-of-memory error (see `run_injected`). Sizes count as
+    `micro_batch_size` does: under a `tf.distribute` strategy, over all
+    replicas (a replica's device runs out above `size / replicas`)."""
     _INJECTED["above"] = size
     try:
         yield
@@ -206,20 +228,29 @@ def injecting() -> bool:
     return _INJECTED["above"] is not None
 
 
-def raise_if_injected(size: int, last: bool) -> None:
-    """Raises the backend's out-of-memory error where `out_of_memory_above`
-    asks for it: where the step runs eagerly, on its last micro-batch, after
-    the others have written their gradients, metrics and statistics (as a
-    device runs out partway through a step); where it is traced, before it
-    runs (as XLA runs out allocating the step's buffers)."""
+def run_injected(step: Callable[..., Any], args: tuple, kwargs: dict, size: int, last: bool, model: Any) -> Any:
+    """`step(*args, **kwargs)`, one micro-batch of `model`'s split train
+    step whose micro-batches hold up to `size` samples, raising the
+    backend's out-of-memory error where `out_of_memory_above` asks for it:
+    where the step runs eagerly, on its last micro-batch, after the others
+    have written their gradients, metrics and statistics; in a TensorFlow
+    graph, once each micro-batch has run (the first to run raises, after its
+    writes), as a device runs out partway through a step; under XLA, before
+    it runs (as XLA runs out allocating the step's buffers)."""
     above = _INJECTED["above"]
-    if above is not None and size > above and (last or not _eager()) and not _INJECTED["measuring"]:
-        raise out_of_memory(f"injected: micro-batches of {size} samples do not fit, of {above} do")
+    if above is None or size <= above or _INJECTED["measuring"]:
+        return step(*args, **kwargs)
+    message = f"injected: micro-batches of {size} samples do not fit, of {above} do"
+    if not _eager() and active() == "tensorflow" and not model.jit_compile:
+        from gradaccum._backend.tensorflow.micro_batches import raising_after
+
+        return raising_after(step(*args, **kwargs), message)
+    if last or not _eager():
+        raise out_of_memory(message)
+    return step(*args, **kwargs)
 
 
 def _eager() -> bool:
-    from gradaccum._backend import active
-
     if active() == "jax":
         return False
     if active() == "torch":
@@ -236,8 +267,6 @@ def donated_and_lost(state: Any) -> bool:
 
 def out_of_memory(message: str) -> BaseException:
     """The active backend's own out-of-memory error, saying `message`."""
-    from gradaccum._backend import active
-
     if active() == "jax":
         import jax
 
@@ -253,8 +282,6 @@ def out_of_memory(message: str) -> BaseException:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether `error` is the active backend's out-of-memory error."""
-    from gradaccum._backend import active
-
     if active() == "jax":
         import jax
 
@@ -271,8 +298,6 @@ def is_out_of_memory(error: BaseException) -> bool:
 def free_bytes() -> int | None:
     """The bytes the device that trains has free (the host's available
     memory for the CPU), or None where the backend does not tell."""
-    from gradaccum._backend import active
-
     stats = None
     if active() == "jax":
         import jax
@@ -301,12 +326,12 @@ def _tensorflow_uses_a_gpu() -> bool:
 
 def measures(model: Any) -> bool:
     """Whether the size of `model`'s train step can be predicted from XLA's
-    compiled memory: on JAX, and on TensorFlow with `jit_compile=True`."""
-    from gradaccum._backend import active
-
+    compiled memory: on JAX, and on TensorFlow with `jit_compile=True` on
+    one replica."""
     if active() == "jax":
         return True
-    return active() == "tensorflow" and model.jit_compile is True and not model.run_eagerly
+    # A step of several replicas is not traced alone: they are probed.
+    return active() == "tensorflow" and model.jit_compile is True and not model.run_eagerly and replicas(model) == 1
 
 
 def step_bytes(step: Callable[..., Any], state: Any, data: Any) -> int:
@@ -348,33 +373,17 @@ def _jax_step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> i
     )
 
 
-def check_one_replica(model: Any) -> None:
-    """Raises where `micro_batch_size="auto"` would choose under a
-    `tf.distribute` strategy of several replicas: its train function takes
-    each replica's share of a batch, and its sizes would have to be shares
-    that every replica and worker agrees on.
+def check_auto(model: Any) -> None:
+    """Raises (ValueError) where `micro_batch_size="auto"` cannot choose for
+    `model`'s train step (`tensorflow.micro_batches.check_auto`)."""
+    if active() == "tensorflow":
+        from gradaccum._backend.tensorflow import micro_batches
 
-    Raises:
-        ValueError: Naming the strategy's replicas and what to pass instead.
-    """
-    from gradaccum._backend import active
-
-    if active() != "tensorflow":
-        return
-    strategy = getattr(model, "distribute_strategy", None)
-    replicas = 1 if strategy is None else strategy.num_replicas_in_sync
-    if replicas > 1:
-        raise ValueError(
-            f"micro_batch_size=\"auto\" chooses the micro-batch of one device; under a tf.distribute strategy "
-            f"of {replicas} replicas pass micro_batch_size=m (samples over all replicas, a multiple of "
-            f"{replicas}) that fits each replica's device. Received: micro_batch_size=\"auto\"."
-        )
+        micro_batches.check_auto(model)
 
 
 def several_processes() -> bool:
     """Whether JAX runs several processes (each its own step)."""
-    from gradaccum._backend import active
-
     if active() != "jax":
         return False
     import jax

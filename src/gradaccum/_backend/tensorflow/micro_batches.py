@@ -51,21 +51,73 @@ def _check_replicas(size: int, replicas: int, model: Any) -> None:
             f"(as `batch_size` does), which each compute an equal share: it must be a multiple of {replicas}. "
             f"Received: micro_batch_size={size}."
         )
+    _check_splittable(size, replicas, model, tf.executing_eagerly())
+
+
+def _check_splittable(size: int | str, replicas: int, model: Any, eagerly: bool) -> None:
     if replicas == 1:
         return
-    if tf.executing_eagerly():
+    if eagerly:
         raise ValueError(
-            f"micro_batch_size={size} under a tf.distribute strategy of {replicas} replicas runs in a "
+            f"micro_batch_size={size!r} under a tf.distribute strategy of {replicas} replicas runs in a "
             "`tf.function`: compile the model without `run_eagerly=True`, or accumulate across steps with "
             "accumulate(optimizer, n=k) and batches of B / k."
         )
     if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
-            f"micro_batch_size={size} under a tf.distribute strategy of {replicas} replicas cannot split the "
+            f"micro_batch_size={size!r} under a tf.distribute strategy of {replicas} replicas cannot split the "
             "step of a LossScaleOptimizer, which synchronises the replicas on every micro-batch (a merge call "
             "TensorFlow refuses inside the step's loop). Accumulate across steps with "
             "accumulate(optimizer, n=k) and batches of B / k, or train without loss scaling."
         )
+
+
+def check_auto(model: Any) -> None:
+    """Raises where `micro_batch_size="auto"` cannot choose under `model`'s
+    strategy: of several workers, which would each choose, and run again
+    smaller, on their own, while the others wait in the step's collectives;
+    or of several replicas that cannot split the step at all.
+
+    Raises:
+        ValueError: Naming the strategy's workers or replicas and what to
+            pass instead.
+    """
+    strategy = model.distribute_strategy
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return
+    local = len(strategy.extended.worker_devices)
+    if replicas > local:
+        raise ValueError(
+            f"micro_batch_size=\"auto\" chooses the micro-batch on each worker, and under a tf.distribute "
+            f"strategy of {replicas} replicas over several workers ({local} on this one) they would have to agree on "
+            f"one size before the step's first collective. Pass micro_batch_size=m (samples over all "
+            f"replicas, a multiple of {replicas}) that fits each replica's device. "
+            "Received: micro_batch_size=\"auto\"."
+        )
+    _check_splittable("auto", replicas, model, model.run_eagerly)
+
+
+def replicas_batch_size(value: Any) -> Any:
+    """The samples of a `tf.distribute` value's every local replica (None
+    where a share's size is unknown)."""
+    shares = [t.shape[0] for t in value.values]
+    return None if None in shares else sum(shares)
+
+
+def raising_after(logs: Any, message: str) -> Any:
+    """`logs` (a micro-batch's), once the op that raises TensorFlow's
+    out-of-memory error saying `message` ran after them (the test hook
+    `out_of_memory_above`: Python's MemoryError in the op is TensorFlow's
+    `ResourceExhaustedError`)."""
+
+    def fail() -> Any:
+        raise MemoryError(f"OOM: {message}")
+
+    with tf.control_dependencies(tree.flatten(logs)):
+        failed = tf.py_function(fail, [], tf.bool)
+    with tf.control_dependencies([failed]):
+        return tree.map_structure(tf.identity, logs)
 
 
 def _metrics_result(model: Any, data: Any) -> Any:
