@@ -365,12 +365,8 @@ def _jax_step_bytes(step: Callable[[Any, Any], Any], state: Any, data: Any) -> i
 
     lowered = jax.jit(step).lower(tree.map_structure(abstract, state), tree.map_structure(abstract, data))
     memory = lowered.compile(compiler_options=MEASURING_OPTIONS).memory_analysis()
-    return int(
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
+    return int(memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+               + memory.temp_size_in_bytes)
 
 
 def check_auto(model: Any) -> None:
