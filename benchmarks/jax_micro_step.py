@@ -186,8 +186,8 @@ def main() -> None:
                 per_round = [a / b for a, b in zip(by_name[name], by_name["plain"])]
                 cells.append(f"{clock} {statistics.median(per_round):.3f} [{min(per_round):.3f}, {max(per_round):.3f}]")
             print(f"  {name:12s} " + "  ".join(cells))
-        # The A/A copy reads a few percent off plain in every run: each
-        # variant against the mean of the two, so that neither copy's place
+        # The A/A copy reads a few percent off plain in every run: the
+        # in-between step against the mean of the two, so that neither copy's place
         # decides a ratio near 1.
         cells = []
         for clock, by_name in times.items():
