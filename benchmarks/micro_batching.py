@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 from bench import _bootstrap_ci, _median, rotated  # noqa: E402
 
 from gradaccum import _auto_size, accumulate  # noqa: E402
-from gradaccum._backend.micro_batches import step_bytes  # noqa: E402
+from gradaccum._backend.memory import step_bytes  # noqa: E402
 
 B = 4096
 EPOCH = 15 * B  # samples of the realistic epoch

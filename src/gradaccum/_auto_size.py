@@ -5,7 +5,7 @@ with. It is chosen on the first batch of `fit` (`start`):
 
 - JAX, and TensorFlow with `jit_compile=True`: predicted before running,
   from XLA's compiled memory analysis of the train step
-  (`_backend.micro_batches.step_bytes`): the step split into halves is
+  (`_backend.memory.step_bytes`): the step split into halves is
   measured; if it fits, the whole batch is measured too; if not, the step
   split into quarters, and a line through the two split steps gives the
   largest size under the limit. At most 2 compilations; a size below a
@@ -152,7 +152,7 @@ class Search:
         return self.size
 
     def _predicted(self, batch: int, measure: Callable[[int], int]) -> int:
-        limit = self.limit if self.limit is not None else _device().free_bytes()
+        limit = self.limit if self.limit is not None else _memory().free_bytes()
         if limit is None:
             return batch
         if batch == 1:
@@ -191,7 +191,7 @@ class Search:
     def _has(self) -> str:
         if self.limit is not None:
             return f"memory_limit={self.limit} bytes."
-        free = _device().free_bytes()
+        free = _memory().free_bytes()
         return "" if free is None else f"the device has {free} bytes free."
 
     def _choose(self, size: int, how: str) -> None:
@@ -224,8 +224,15 @@ def restore(core: Any, chosen: Any) -> None:
 
 
 def _device() -> Any:
-    # What the device tells of its memory is the backend's; imported when a
-    # search runs, as the train step's loops are.
+    # How JAX's processes agree is the backend's; imported when a search
+    # runs, as the train step's loops are.
     from gradaccum._backend import micro_batches
 
     return micro_batches
+
+
+def _memory() -> Any:
+    # What the device tells of its memory is the backend's (imported on use).
+    from gradaccum._backend import memory
+
+    return memory

@@ -50,7 +50,7 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
     if core is None:
         return wrapped(*args, **kwargs)
     size = core.settings.micro_batch_size
-    if size == "auto" or _device().injecting():
+    if size == "auto" or _memory().injecting():
         # This replica's share of the batch; sizes count over all replicas.
         total, replicas = _device().batch_size(_device().step_data(args, kwargs)), _device().replicas(instance)
         if size == "auto":
@@ -60,7 +60,7 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
                     "micro_batch_size=\"auto\" chooses the micro-batch in `model.fit`'s train function; "
                     "this train step was called outside it on a batch whose size the trace does not know."
                 )
-        if _device().injecting():
+        if _memory().injecting():
             wrapped = _injecting(wrapped, max(1, size // replicas), total, replicas, instance)
     return _device().split_train_step(
         wrapped, args, kwargs, size, functools.partial(_splitting_into, core), instance
@@ -68,15 +68,22 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
 
 
 def _device() -> Any:
-    # The loops and what the device tells are the backend's (imported on use).
+    # The loops are the backend's (imported on use).
     from gradaccum._backend import micro_batches
 
     return micro_batches
 
 
+def _memory() -> Any:
+    # What the device tells of its memory is the backend's (imported on use).
+    from gradaccum._backend import memory
+
+    return memory
+
+
 def _injecting(step: Callable[..., Any], share: int, total: Any, replicas: int, model: Any) -> Callable[..., Any]:
     """`step`, raising the test hook's out-of-memory error on the micro-batch
-    it asks for (`_backend.micro_batches.out_of_memory_above`): of `share`
+    it asks for (`_backend.memory.out_of_memory_above`): of `share`
     samples of this replica's `total`, counted over all `replicas`."""
     known = isinstance(total, int)
     count = -(-total // share) if known else None
@@ -84,7 +91,7 @@ def _injecting(step: Callable[..., Any], share: int, total: Any, replicas: int, 
 
     def run(*args: Any, **kwargs: Any) -> Any:
         calls.append(None)
-        return _device().run_injected(step, args, kwargs, largest, len(calls) == count, model)
+        return _memory().run_injected(step, args, kwargs, largest, len(calls) == count, model)
 
     calls: list[None] = []
 
@@ -134,7 +141,7 @@ class Retrying:
         batch = micro_batches.batch_size(data)
         batch = int(batch) if batch is not None else None
         if batch is not None:
-            measure = _measuring(self.model, search, state, data) if micro_batches.measures(self.model) else None
+            measure = _measuring(self.model, search, state, data) if _memory().measures(self.model) else None
             search.start(batch, measure, micro_batches.replicas(self.model))
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
@@ -143,7 +150,7 @@ class Retrying:
             try:
                 result = call(function)
             except Exception as error:
-                if not micro_batches.is_out_of_memory(error) or batch is None:
+                if not _memory().is_out_of_memory(error) or batch is None:
                     raise
                 if state is not None and micro_batches.donated_and_lost(state):
                     raise RuntimeError(
@@ -180,7 +187,7 @@ def _measuring(model: Any, search: Any, state: Any, data: Any) -> Callable[[int]
     def measure(size: int) -> int:
         kept, search.size = search.size, size
         try:
-            return _device().step_bytes(model.train_step, state, data)
+            return _memory().step_bytes(model.train_step, state, data)
         finally:
             search.size = kept
 

@@ -87,7 +87,7 @@ def main(
     import numpy as np
 
     from gradaccum import accumulate
-    from gradaccum._backend.micro_batches import out_of_memory_above as injected
+    from gradaccum._backend.memory import out_of_memory_above as injected
     from tests.helpers import full_state, make_mlp
 
     assert jax.process_count() == 2 and len(jax.devices()) == 2, jax.devices()

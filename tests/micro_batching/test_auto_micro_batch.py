@@ -17,7 +17,7 @@ import pytest
 
 from gradaccum import accumulate, accumulating
 from gradaccum._auto_size import search_of
-from gradaccum._backend.micro_batches import out_of_memory_above
+from gradaccum._backend.memory import out_of_memory_above
 from tests.helpers import (
     BACKEND,
     JIT,
@@ -120,7 +120,7 @@ def _step_bytes(size, batch, x, y):
     """What XLA's memory analysis gives the train step of `fit` (JAX's, or
     TensorFlow's compiled with XLA) split into micro-batches of `size` (the
     search's measure, taken by hand)."""
-    from gradaccum._backend.micro_batches import step_bytes
+    from gradaccum._backend.memory import step_bytes
 
     model, opt = _wide_model(), accumulate(keras.optimizers.SGD(1e-2), micro_batch_size=size)
     fit(model, opt, x[:batch], y[:batch], batch, jit_compile=True)

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from gradaccum import accumulate
 from gradaccum._auto_size import search_of
-from gradaccum._backend.micro_batches import out_of_memory_above
+from gradaccum._backend.memory import out_of_memory_above
 from tests.helpers import (
     as_int,
     assert_states_close,

@@ -11,7 +11,7 @@ import pytest
 from keras import tree
 
 from gradaccum import accumulate
-from gradaccum._backend.micro_batches import step_bytes
+from gradaccum._backend.memory import step_bytes
 
 
 def _conv():
