@@ -70,11 +70,12 @@ def _check_replicas(size: int, replicas: int, model: Any) -> None:
 
 def _metrics_result(model: Any, data: Any) -> Any:
     """The logs' structure before the first micro-batch: the model's
-    metrics' results. Metrics given to `compile` are built by the first
-    step that updates them; Keras builds them before tracing only under a
-    strategy, so here they are built as Keras does then."""
-    metrics = getattr(model, "_compile_metrics", None)
-    if metrics is not None and not metrics.built:
+    metrics' results. Metrics given to `compile`, and a multi-output
+    model's per-output loss trackers, are built by the first step that
+    updates them; Keras builds them before tracing only under a strategy,
+    so here they are built as Keras does then."""
+    compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
+    if any(c is not None and not c.built for c in compiled):
         model._symbolic_build(data_batch=data)
     return model.get_metrics_result()
 
@@ -108,6 +109,9 @@ def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[
     rest = total - full * size
     count = full + tf.cast(rest > 0, tf.int32)
     known = leaf.shape[0]
+    # A ragged last micro-batch of a static size where the batch's is: Keras
+    # weighs a micro-batch's per-output losses in the logs by its static size.
+    last_size = known % size if known is not None and known % size else rest
     with splitting(count, defer=True) as at, kept.split_into(None if known is None else -(-known // size)):
 
         def body(i: Any, logs: Any) -> tuple[Any, Any]:
@@ -121,7 +125,7 @@ def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[
 
         def last() -> Any:
             at(full)
-            return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, rest)))
+            return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, last_size)))
 
         logs = tf.cond(rest > 0, last, lambda: logs)
     return logs
