@@ -344,3 +344,29 @@ def test_multi_output_model_with_weighted_losses_equals_plain_fit(jit):
     for name in history if BACKEND != "tensorflow" else ["loss"]:
         np.testing.assert_allclose(history[name], ref_history[name], rtol=1e-6, err_msg=name)
 
+
+
+class OwnLoss(keras.Sequential):
+    """A model whose `compute_loss` is a mean of its own: it calls no Keras
+    loss, so no loss count reaches the optimizer."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y - y_pred))
+
+
+def _own_loss_model():
+    keras.utils.set_random_seed(0)
+    return OwnLoss([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="hidden"),
+                    keras.layers.Dense(3, name="out")], name="own_loss")
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_a_loss_of_its_own_weighs_micro_batches_by_their_samples(jit):
+    """Micro-batches of 3, 3 and 2 samples (and 3, 2 in the ragged last
+    batch): a mean over the batch weighs each by its samples, not alike."""
+    x, y = make_data(3 * B + 5)
+    reference, subject, _, _, opt = _pair(
+        lambda: keras.optimizers.Adam(1e-2), 3, x, y, make_model=_own_loss_model, jit_compile=jit
+    )
+    assert as_int(opt.iterations) == 4
+    assert_states_close(reference, subject)
