@@ -70,8 +70,9 @@ def _weighing_samples(step: Callable[..., Any], core: Any) -> Callable[..., Any]
     """`step`, whose micro-batch weighs its samples unless its loss hands
     over a count of its own: Keras's `compute_loss` hands over what it
     divided by (`gradaccum._loss_counts`: also None, for a sum), but a
-    `compute_loss` of the model's own that calls no Keras loss hands over
-    nothing, and a split batch's micro-batches differ in size."""
+    `compute_loss` of the model's own that calls no Keras loss, or a loss
+    function that returns a scalar, tells nothing, and a split batch's
+    micro-batches differ in size."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         leaf = next(t for t in tree.flatten(_device().step_data(args, kwargs)) if t is not None)

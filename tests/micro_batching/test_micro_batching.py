@@ -345,7 +345,6 @@ def test_multi_output_model_with_weighted_losses_equals_plain_fit(jit):
         np.testing.assert_allclose(history[name], ref_history[name], rtol=1e-6, err_msg=name)
 
 
-
 class OwnLoss(keras.Sequential):
     """A model whose `compute_loss` is a mean of its own: it calls no Keras
     loss, so no loss count reaches the optimizer."""
@@ -360,13 +359,22 @@ def _own_loss_model():
                     keras.layers.Dense(3, name="out")], name="own_loss")
 
 
+def _scalar_mse(y_true, y_pred):
+    """A loss function that takes its own mean: Keras divides it by nothing."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+@pytest.mark.parametrize("own", ("compute_loss", "loss_function"))
 @pytest.mark.parametrize("jit", JIT)
-def test_a_loss_of_its_own_weighs_micro_batches_by_their_samples(jit):
+def test_a_loss_of_its_own_weighs_micro_batches_by_their_samples(own, jit):
     """Micro-batches of 3, 3 and 2 samples (and 3, 2 in the ragged last
-    batch): a mean over the batch weighs each by its samples, not alike."""
+    batch) of a mean Keras does not take (a `compute_loss` of the model's
+    own, a compiled loss function that returns a scalar): each weighs its
+    samples, not alike."""
     x, y = make_data(3 * B + 5)
+    make_model = _own_loss_model if own == "compute_loss" else make_mlp
     reference, subject, _, _, opt = _pair(
-        lambda: keras.optimizers.Adam(1e-2), 3, x, y, make_model=_own_loss_model, jit_compile=jit
+        lambda: keras.optimizers.Adam(1e-2), 3, x, y, make_model=make_model, jit_compile=jit, loss=_scalar_mse
     )
     assert as_int(opt.iterations) == 4
     assert_states_close(reference, subject)
