@@ -364,17 +364,35 @@ def _scalar_mse(y_true, y_pred):
     return keras.ops.mean(keras.ops.square(y_true - y_pred))
 
 
-@pytest.mark.parametrize("own", ("compute_loss", "loss_function"))
+class _Reconstruction(keras.layers.Layer):
+    """Adds the mean squared distance of its two inputs as a loss."""
+
+    def call(self, inputs):
+        output, target = inputs
+        self.add_loss(keras.ops.mean(keras.ops.square(output - target)))
+        return output
+
+
+def _autoencoder():
+    """A model whose only loss is an `add_loss` term: no compiled loss."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    output = keras.layers.Dense(5, name="dense")(inputs)
+    return keras.Model(inputs, _Reconstruction(name="reconstruction")([output, inputs]), name="autoencoder")
+
+
+@pytest.mark.parametrize("own", ("compute_loss", "loss_function", "add_loss"))
 @pytest.mark.parametrize("jit", JIT)
 def test_a_loss_of_its_own_weighs_micro_batches_by_their_samples(own, jit):
     """Micro-batches of 3, 3 and 2 samples (and 3, 2 in the ragged last
     batch) of a mean Keras does not take (a `compute_loss` of the model's
-    own, a compiled loss function that returns a scalar): each weighs its
-    samples, not alike."""
+    own, a compiled loss function that returns a scalar, an `add_loss` term
+    and no compiled loss): each weighs its samples, not alike."""
     x, y = make_data(3 * B + 5)
-    make_model = _own_loss_model if own == "compute_loss" else make_mlp
+    make_model = {"compute_loss": _own_loss_model, "loss_function": make_mlp, "add_loss": _autoencoder}[own]
+    loss = None if own == "add_loss" else _scalar_mse
     reference, subject, _, _, opt = _pair(
-        lambda: keras.optimizers.Adam(1e-2), 3, x, y, make_model=make_model, jit_compile=jit, loss=_scalar_mse
+        lambda: keras.optimizers.Adam(1e-2), 3, x, y, make_model=make_model, jit_compile=jit, loss=loss
     )
     assert as_int(opt.iterations) == 4
     assert_states_close(reference, subject)
