@@ -83,7 +83,10 @@ def accumulate(
             valid entries under a mask, its sum of sample weights for
             `reduction="mean_with_sample_weight"`, its size), so the update
             is the mean over every entry of the cycle, as on the large batch
-            (several losses: `docs/guides/loss-counts.md`). `"batch"`: 1, every
+            (several losses: `docs/guides/loss-counts.md`); in a train step
+            split by `micro_batch_size`, a loss that tells no count (a
+            `compute_loss` of the model's own, a loss function returning a
+            scalar) weighs its samples. `"batch"`: 1, every
             micro-batch alike (Keras's per-batch means, averaged). A
             `weight` passed to `apply_gradients` wins over either.
         sparse: How `tf.IndexedSlices` gradients (an `Embedding`'s, on

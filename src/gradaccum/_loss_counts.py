@@ -21,7 +21,11 @@ The count reaches the optimizer explicitly, within one train step:
    original runs, the count of every compiled loss (below).
 2. It combines them (`combine`) and hands the result to the optimizer:
    `Weights.count_next` of its core. The train step's `apply` right after weighs
-   that micro-batch by it, unless it passes an explicit `weight`.
+   that micro-batch by it, unless it passes an explicit `weight`. Where no
+   loss tells what it divided by (no compiled loss, or only loss functions
+   that returned a scalar), nothing is handed over: a micro-step of a split
+   train step keeps the count the split handed it, its samples
+   (`gradaccum._micro_batches`), any other weighs 1.
 
 Recording: while a count is recorded, `Loss.__call__` and Keras's
 `reduce_weighted_values` (the reduction `Loss.__call__` ends with) are
@@ -71,10 +75,14 @@ class Count:
         per_row: For a plain mean over a fixed number of entries per
             sample, that number (`value` is then the batch size times it);
             else None.
+        scalar: Whether the loss was a scalar before Keras's reduction (a
+            loss function that took its own mean or sum): what it divided
+            by is unknown.
     """
 
     value: Any | None
     per_row: int | None = None
+    scalar: bool = False
 
 
 def count_of(
@@ -122,7 +130,7 @@ def count_of(
         values, weight = keras_loss.squeeze_or_expand_to_same_rank(values, weight)
     static, entries = _backend.for_active().gradients.shape_and_entries(values, weight)
     if static is not None and static in ((), (0,)):
-        return Count(None)
+        return Count(None, scalar=True)
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         return Count(ops.sum(ops.cast(weight, "float32")))
     if mask is not None:
@@ -270,5 +278,8 @@ def _counted(core: Core, wrapped: Callable[..., Any], instance: Any, args: tuple
     weight, exact = combine(recording.counts)
     if not exact:
         _warn_inexact(instance, recording.counts)
-    core.weights.count_next(weight)
+    if weight is not None or not all(c.scalar for c in recording.counts):
+        # Else no loss told what it divided by: a split train step's
+        # micro-batch keeps the weight it handed over, its samples.
+        core.weights.count_next(weight)
     return loss

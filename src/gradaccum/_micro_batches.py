@@ -29,7 +29,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras import ops
+from keras import ops, tree
 
 from gradaccum import _atomic, _auto_size, _families
 
@@ -63,8 +63,24 @@ def train_step(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: 
         if _memory().injecting():
             wrapped = _injecting(wrapped, max(1, size // replicas), total, replicas, instance)
     return _device().split_train_step(
-        wrapped, args, kwargs, size, functools.partial(_splitting_into, core), instance
+        _weighing_samples(wrapped, core), args, kwargs, size, functools.partial(_splitting_into, core), instance
     )
+
+
+def _weighing_samples(step: Callable[..., Any], core: Any) -> Callable[..., Any]:
+    """`step`, whose micro-batch weighs its samples unless its loss hands
+    over a count of its own: Keras's `compute_loss` hands over what it
+    divided by (`gradaccum._loss_counts`: also None, for a sum), but a
+    `compute_loss` of the model's own that calls no Keras loss, or a loss
+    function that returns a scalar, tells nothing, and a split batch's
+    micro-batches differ in size."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        leaf = next(t for t in tree.flatten(_device().step_data(args, kwargs)) if t is not None)
+        core.weights.count_next(ops.cast(ops.shape(leaf)[0], "float32"))
+        return step(*args, **kwargs)
+
+    return run
 
 
 def _device() -> Any:

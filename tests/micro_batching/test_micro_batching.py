@@ -312,3 +312,173 @@ def test_compiled_metrics_log_the_batch(jit):
     assert_states_close(reference, subject)
     for name in ("loss", "mae", "root_mean_squared_error"):
         np.testing.assert_allclose(history[name], ref_history[name], rtol=1e-6)
+
+
+def _two_heads():
+    """A regression head and a classification head on one hidden layer."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(6, activation="tanh", name="hidden")(inputs)
+    outputs = {"r": keras.layers.Dense(3, name="r")(hidden),
+               "c": keras.layers.Dense(2, activation="softmax", name="c")(hidden)}
+    return keras.Model(inputs, outputs, name="two_heads")
+
+
+@pytest.mark.parametrize("jit", JIT)
+def test_multi_output_model_with_weighted_losses_equals_plain_fit(jit):
+    """A dict of losses with `loss_weights` and no compiled metrics: the
+    per-output loss trackers are built before the split step's loop. The
+    logs hold the batch's losses, per output too (Keras weighs a batch's by
+    its static size, which TensorFlow's traced step of arrays does not know:
+    each batch weighs 1 there)."""
+    x, y = make_data(3 * B + 5)
+    labels = {"r": y, "c": (np.arange(len(x)) % 2).astype("int32")}
+    reference, subject, ref_history, history, opt = _pair(
+        lambda: keras.optimizers.Adam(1e-2), 3, x, labels, make_model=_two_heads, jit_compile=jit,
+        loss={"r": "mse", "c": "sparse_categorical_crossentropy"}, loss_weights={"r": 0.3, "c": 2.0},
+    )
+    assert as_int(opt.iterations) == 4
+    assert_states_close(reference, subject)
+    assert sorted(history) == sorted(ref_history) == ["c_loss", "loss", "r_loss"]
+    for name in history:
+        np.testing.assert_allclose(history[name], ref_history[name], rtol=1e-6, err_msg=name)
+
+
+class OwnLoss(keras.Sequential):
+    """A model whose `compute_loss` is a mean of its own: it calls no Keras
+    loss, so no loss count reaches the optimizer."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y - y_pred))
+
+
+def _own_loss_model():
+    keras.utils.set_random_seed(0)
+    return OwnLoss([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="hidden"),
+                    keras.layers.Dense(3, name="out")], name="own_loss")
+
+
+def _scalar_mse(y_true, y_pred):
+    """A loss function that takes its own mean: Keras divides it by nothing."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+class _Reconstruction(keras.layers.Layer):
+    """Adds the mean squared distance of its two inputs as a loss."""
+
+    def call(self, inputs):
+        output, target = inputs
+        self.add_loss(keras.ops.mean(keras.ops.square(output - target)))
+        return output
+
+
+def _autoencoder():
+    """A model whose only loss is an `add_loss` term: no compiled loss."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    output = keras.layers.Dense(5, name="dense")(inputs)
+    return keras.Model(inputs, _Reconstruction(name="reconstruction")([output, inputs]), name="autoencoder")
+
+
+@pytest.mark.parametrize("own", ("compute_loss", "loss_function", "add_loss"))
+@pytest.mark.parametrize("jit", JIT)
+def test_a_loss_of_its_own_weighs_micro_batches_by_their_samples(own, jit):
+    """Micro-batches of 3, 3 and 2 samples (and 3, 2 in the ragged last
+    batch) of a mean Keras does not take (a `compute_loss` of the model's
+    own, a compiled loss function that returns a scalar, an `add_loss` term
+    and no compiled loss): each weighs its samples, not alike."""
+    x, y = make_data(3 * B + 5)
+    make_model = {"compute_loss": _own_loss_model, "loss_function": make_mlp, "add_loss": _autoencoder}[own]
+    loss = None if own == "add_loss" else _scalar_mse
+    reference, subject, _, _, opt = _pair(
+        lambda: keras.optimizers.Adam(1e-2), 3, x, y, make_model=make_model, jit_compile=jit, loss=loss
+    )
+    assert as_int(opt.iterations) == 4
+    assert_states_close(reference, subject)
+
+
+def _batches(x, y, size):
+    """A generator of `fit`'s batches of `size` samples, the last ragged, for ever."""
+    while True:
+        for start in range(0, len(x), size):
+            yield x[start:start + size], y[start:start + size]
+
+
+def _two_inputs():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((5,), name="a"), keras.Input((2,), name="b")
+    hidden = keras.layers.Dense(6, activation="tanh", name="hidden")(keras.layers.Concatenate()([a, b]))
+    return keras.Model({"a": a, "b": b}, keras.layers.Dense(3, name="out")(hidden), name="two_inputs")
+
+
+def _recurrent():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4, 5)), keras.layers.GRU(4, name="gru"), keras.layers.Dense(3, name="out")],
+                            name="recurrent")
+
+
+def _regularized():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((5,)),
+                             keras.layers.Dense(6, activation="tanh", kernel_regularizer="l2",
+                                                activity_regularizer=keras.regularizers.L1(0.01), name="hidden"),
+                             keras.layers.Dense(3, name="out")], name="regularized")
+
+
+def _ordinary_script(feature, x, y):
+    """`(make_model, fit_args, fit_kwargs, compile_kwargs)` of a script using `feature`."""
+    rng = np.random.default_rng(2)
+    arrays = {"batch_size": B, "shuffle": False}
+    if feature == "generator":
+        return make_mlp, (_batches(x, y, B),), {"steps_per_epoch": 4}, {}
+    if feature == "dict_inputs_and_validation":
+        inputs = {"a": x, "b": rng.normal(size=(len(x), 2)).astype("float32")}
+        return _two_inputs, (inputs, y), dict(arrays, validation_split=0.25), {}
+    if feature == "class_weight":
+        labels = (np.arange(len(x)) % 3).astype("int32")
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return make_mlp, (x, labels), dict(arrays, class_weight={0: 1.0, 1: 3.0, 2: 0.5}), {"loss": loss}
+    if feature == "recurrent":
+        return _recurrent, (rng.normal(size=(len(x), 4, 5)).astype("float32"), y), arrays, {}
+    return _regularized, (x, y), arrays, {}
+
+
+@pytest.mark.parametrize(
+    "feature", ("generator", "dict_inputs_and_validation", "class_weight", "recurrent", "regularizers")
+)
+def test_ordinary_scripts_equal_plain_fit(feature):
+    """Features of ordinary training scripts, with batches of 8 in
+    micro-batches of 3 and a ragged last batch: weights, optimizer state and
+    every logged value (validation's too) equal plain `fit`'s."""
+    x, y = make_data(3 * B + 5)
+    make_model, fit_args, fit_kwargs, compile_kwargs = _ordinary_script(feature, x, y)
+    runs = []
+    for wrap in (lambda o: o, lambda o: accumulate(o, micro_batch_size=3)):
+        if feature == "generator":
+            fit_args = (_batches(x, y, B),)
+        model, opt = make_model(), wrap(keras.optimizers.Adam(1e-2))
+        model.compile(optimizer=opt, **({"loss": "mse"} | compile_kwargs))
+        history = model.fit(*fit_args, epochs=2, verbose=0, **fit_kwargs).history
+        runs.append((full_state(model, opt), history))
+    (reference, ref_history), (subject, history) = runs
+    assert_states_close(reference, subject)
+    assert sorted(history) == sorted(ref_history)
+    for name in history:
+        np.testing.assert_allclose(history[name], ref_history[name], rtol=1e-5, err_msg=name)
+
+
+def test_keras_file_saved_between_epochs_resumes_as_plain_fit(tmp_path):
+    """A `.keras` file keeps `micro_batch_size`; training resumed from it
+    equals plain `fit` of both epochs without the interruption."""
+    x, y = make_data(3 * B + 5)
+    reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(reference, ref_opt, x, y, B, epochs=2)
+    model = make_mlp()
+    fit(model, accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=3), x, y, B)
+    path = str(tmp_path / "between_epochs.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.optimizer.micro_batch_size == 3
+    loaded.fit(x, y, batch_size=B, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    assert as_int(loaded.optimizer.iterations) == 8
+    assert_states_close(full_state(reference, ref_opt), full_state(loaded, loaded.optimizer))

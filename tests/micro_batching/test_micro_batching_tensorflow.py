@@ -127,3 +127,28 @@ def test_mirrored_strategy_refuses_what_it_cannot_split(size, wrap, compile_kwar
         fit(model, opt, x, y, B, **compile_kwargs)
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_per_output_losses_log_the_batch_where_the_step_knows_its_size():
+    """Keras weighs a batch's per-output losses by its static size: a
+    `tf.data` batch of a size the trace knows (`drop_remainder=True`) makes
+    each micro-batch's slice of a static size too, a ragged last one (2 of
+    8) included, so the per-output losses log the batch's."""
+    import tensorflow as tf
+
+    from tests.micro_batching.test_micro_batching import _two_heads
+
+    x, y = make_data(3 * B)
+    labels = {"r": y, "c": (np.arange(len(x)) % 2).astype("int32")}
+    runs = []
+    for wrap in (lambda o: o, lambda o: accumulate(o, micro_batch_size=SIZE)):
+        model, opt = _two_heads(), wrap(keras.optimizers.Adam(1e-2))
+        model.compile(optimizer=opt, loss={"r": "mse", "c": "sparse_categorical_crossentropy"},
+                      loss_weights={"r": 0.3, "c": 2.0})
+        data = tf.data.Dataset.from_tensor_slices((x, labels)).batch(B, drop_remainder=True)
+        history = model.fit(data, epochs=2, verbose=0).history
+        runs.append((full_state(model, opt), history))
+    (reference, ref_history), (subject, history) = runs
+    assert_states_close(reference, subject)
+    for name in ("loss", "r_loss", "c_loss"):
+        np.testing.assert_allclose(history[name], ref_history[name], rtol=1e-6, err_msg=name)

@@ -122,13 +122,44 @@ def raising_after(logs: Any, message: str) -> Any:
 
 def _metrics_result(model: Any, data: Any) -> Any:
     """The logs' structure before the first micro-batch: the model's
-    metrics' results. Metrics given to `compile` are built by the first
-    step that updates them; Keras builds them before tracing only under a
-    strategy, so here they are built as Keras does then."""
-    metrics = getattr(model, "_compile_metrics", None)
-    if metrics is not None and not metrics.built:
+    metrics' results. Metrics given to `compile`, and a multi-output
+    model's per-output loss trackers, are built by the first step that
+    updates them; Keras builds them before tracing only under a strategy,
+    so here they are built as Keras does then."""
+    compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
+    if any(c is not None and not c.built for c in compiled):
         model._symbolic_build(data_batch=data)
     return model.get_metrics_result()
+
+
+def _weighing_per_output_losses(step: Callable[[Any], Any], model: Any, total: Any) -> Callable[[Any], Any]:
+    """`step`, whose micro-batch adds its share of the batch to a
+    multi-output model's per-output loss trackers (in the logs).
+
+    Keras weighs a batch's per-output losses by its static size, which a
+    batch of unknown size (None) does not have: each batch weighs 1. A
+    micro-batch's slice has a static size, so it would weigh its samples
+    instead; the micro-batch of `m` samples of a batch of `total` weighs
+    `m / total`, so that the batch weighs 1, as it does unsplit.
+    """
+    trackers = list(getattr(getattr(model, "_compile_loss", None), "metrics", None) or [])
+    if not trackers:
+        return step
+
+    def run(micro_batch: Any) -> Any:
+        before = [(tf.identity(t.total.value), tf.identity(t.count.value)) for t in trackers]
+        logs = step(micro_batch)
+        leaf = next(tf.convert_to_tensor(t) for t in tree.flatten(micro_batch) if t is not None)
+        share = tf.cast(tf.shape(leaf)[0], tf.float32) / tf.cast(total, tf.float32)
+        for tracker, (summed, counted) in zip(trackers, before):
+            value = tf.math.divide_no_nan(tracker.total.value - summed, tracker.count.value - counted)
+            tracker.total.assign(summed + tf.cast(share, summed.dtype) * value)
+            tracker.count.assign(counted + tf.cast(share, counted.dtype))
+        if isinstance(logs, dict):
+            logs = dict(logs, **{t.name: t.result() for t in trackers if t.name in logs})
+        return logs
+
+    return run
 
 
 def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[..., Any], model: Any) -> Any:
@@ -160,7 +191,13 @@ def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[
     rest = total - full * size
     count = full + tf.cast(rest > 0, tf.int32)
     known = leaf.shape[0]
+    # A ragged last micro-batch of a static size where the batch's is: Keras
+    # weighs a micro-batch's per-output losses in the logs by its static size.
+    last_size = known % size if known is not None and known % size else rest
     with splitting(count, defer=True) as at, kept.split_into(None if known is None else -(-known // size)):
+        start = (tf.constant(0), _metrics_result(model, data))
+        if known is None:
+            step = _weighing_per_output_losses(step, model, total)
 
         def body(i: Any, logs: Any) -> tuple[Any, Any]:
             at(i)
@@ -168,12 +205,11 @@ def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[
             return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
 
         # One micro-batch after the other: each reads the variables the last wrote.
-        start = (tf.constant(0), _metrics_result(model, data))
         _, logs = tf.while_loop(lambda i, _: i < full, body, start, parallel_iterations=1)
 
         def last() -> Any:
             at(full)
-            return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, rest)))
+            return tree.map_structure(tf.convert_to_tensor, step(_slice(data, full * size, last_size)))
 
         logs = tf.cond(rest > 0, last, lambda: logs)
     return logs
