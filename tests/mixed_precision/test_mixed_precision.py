@@ -152,3 +152,33 @@ def test_proxy_is_still_the_loss_scale_optimizer():
         accumulate(lso, 2)
     with pytest.raises(ValueError, match="accumulate twice"):
         accumulate(LSO(accumulate(_adam(), 2)), 2)
+
+
+@pytest.mark.parametrize("policy_name", ["mixed_float16", "mixed_bfloat16"])
+def test_split_step_equals_large_batch_mixed_precision_training(policy_name):
+    """`micro_batch_size`: each batch of `fit` computed in micro-batches
+    inside the train step under a mixed policy; `compile` puts Keras's loss
+    scaling (float16) around the accumulating optimizer. Same tolerances as
+    above: the same half-precision rounding of other partial sums."""
+    x, y = make_data(B * N * CYCLES)
+    with dtype_policy(policy_name):
+        ref_model = make_mlp()
+        ref_opt = LSO(_adam()) if policy_name == "mixed_float16" else _adam()
+        fit(ref_model, ref_opt, x, y, B * N)
+        model = make_mlp()
+        fit(model, accumulate(_adam(), micro_batch_size=B), x, y, B * N)
+    ref = full_state(ref_model, ref_opt)
+    acc = full_state(model, model.optimizer)
+    assert acc["iterations"] == CYCLES
+    if policy_name == "mixed_float16":
+        assert isinstance(model.optimizer, LSO)
+        assert float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale)) == float(
+            keras.ops.convert_to_numpy(ref_opt.dynamic_scale)
+        )
+        # Finite scaled backward passes: micro-batches (documented).
+        assert int(ref.pop("opt/step_counter")) == CYCLES
+        assert int(acc.pop("opt/step_counter")) == N * CYCLES
+        atol, rtol = FP16_ATOL, FP16_RTOL
+    else:
+        atol, rtol = BF16_ATOL, BF16_RTOL
+    assert_states_close(ref, acc, rtol=rtol, atol=atol)
