@@ -121,11 +121,44 @@ def make_train_function(wrapped: Callable[..., Any], instance: Any, args: tuple,
     result = wrapped(*args, **kwargs)
     core = _families.core_in(getattr(instance, "optimizer", None))
     function = getattr(instance, "train_function", None)
-    auto = core is not None and core.settings.micro_batch_size == "auto"
-    if auto and function is not None and not isinstance(function, Retrying):
-        _device().check_auto(instance)
-        instance.train_function = Retrying(instance, core, function)
+    if core is None or core.settings.micro_batch_size is None or function is None:
+        return result
+    if core.settings.micro_batch_size == "auto":
+        if not isinstance(function, Retrying):
+            _device().check_auto(instance)
+            instance.train_function = Retrying(instance, core, function)
+    elif _device().writes_in_place() and not isinstance(function, Undone):
+        instance.train_function = Undone(instance, core, function)
     return result
+
+
+class Undone:
+    """Keras's train function of split steps (`micro_batch_size=m`), which
+    puts back what a step that raises wrote before its update.
+
+    Unsplit, a step that fails before its update has written little; split,
+    its earlier micro-batches have written their metrics, statistics and the
+    accumulation's counters, and a counter left mid-cycle would make the
+    next step's cycle start there. So the step runs all or nothing
+    (`_saved`). JAX needs none of it: its step returns the state it wrote,
+    which `fit` keeps only where the step returns.
+
+    Args:
+        model: The model `fit` trains.
+        core: Its optimizer's accumulating core.
+        function: Keras's train function.
+    """
+
+    def __init__(self, model: Any, core: Any, function: Callable[..., Any]):
+        self.model, self.core, self.function = model, core, function
+
+    def __call__(self, *args: Any) -> Any:
+        restore = _saved(self.model, self.core)
+        try:
+            return self.function(*args)
+        except BaseException:
+            restore()
+            raise
 
 
 class Retrying:
@@ -165,7 +198,9 @@ class Retrying:
             function = self._function_for(size, state)
             try:
                 result = call(function)
-            except Exception as error:
+            except BaseException as error:
+                if restore is not None:
+                    restore()
                 if not _memory().is_out_of_memory(error) or batch is None:
                     raise
                 if state is not None and micro_batches.donated_and_lost(state):
@@ -174,8 +209,6 @@ class Retrying:
                         "state (donated buffers), so it cannot be run again. Pass a smaller "
                         "micro_batch_size=... or memory_limit=..."
                     ) from error
-                if restore is not None:
-                    restore()
                 self.functions.pop(size, None)
                 search.smaller(batch, error)
                 continue
@@ -216,7 +249,10 @@ def _saved(model: Any, core: Any) -> Callable[[], None]:
     the optimizer's scalars (counters, a loss scale) and the accumulation's
     counters; of a `tf.distribute` variable, every replica's copy. The
     accumulators are left out: a cycle's first micro-step
-    writes over them."""
+    writes over them. Nothing is put back where the optimizer's
+    `iterations` moved on: the step (or, of several in one call, one of
+    them) updated the weights, and what it wrote is then the step's, as
+    it is a plain optimizer's."""
     backend = core.backend
     if core.state is None:
         # Built now, so that a step that fails is put back to its state.
@@ -231,8 +267,11 @@ def _saved(model: Any, core: Any) -> Callable[[], None]:
     variables = _device().copies(variables)
     values = [backend.snapshot(v) for v in variables]
     state = _atomic.saved(core.state, backend, accumulators=False)
+    iterations = backend.snapshot(optimizer.iterations)
 
     def restore() -> None:
+        if int(ops.convert_to_numpy(optimizer.iterations)) != int(ops.convert_to_numpy(iterations)):
+            return
         for variable, value in zip(variables, values):
             variable.assign(value)
         state()

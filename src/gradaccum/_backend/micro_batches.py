@@ -48,6 +48,13 @@ def replicas(model: Any) -> int:
     return 1 if strategy is None else strategy.num_replicas_in_sync
 
 
+def writes_in_place() -> bool:
+    """Whether a train step of the active backend writes the variables as
+    it runs (TensorFlow, PyTorch), so that one that raises leaves what it
+    wrote before; JAX's returns what it wrote."""
+    return active() != "jax"
+
+
 def copies(variables: list[Any]) -> list[Any]:
     """`variables`, each `tf.distribute` one as every replica's own copy:
     a replica-local variable's copies differ, and its own `assign` splits
