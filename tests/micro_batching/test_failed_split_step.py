@@ -8,7 +8,9 @@ its loss: its statistics of the whole batch, and in a TensorFlow graph also
 `iterations` and the metrics' totals, moved on.
 
 Not on JAX: Keras's JAX `fit` leaves the model's variables without values
-after an exception in its step, with any optimizer.
+after an exception in its step, with any optimizer. On every backend, an
+exception after the step (a callback's) leaves the step done, and `fit`
+continued from the next batch equals plain `fit`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from tests.helpers import (
     whole_state,
 )
 
-pytestmark = pytest.mark.skipif(
+_NOT_ON_JAX = pytest.mark.skipif(
     BACKEND == "jax",
     reason="Keras's JAX `fit` leaves the model's variables without values after an exception in its "
     "step, with any optimizer (see the micro-batching guide)",
@@ -44,15 +46,18 @@ _EXECUTIONS = {
 }.get(BACKEND, (pytest.param({}, id="eager"),))
 
 
-class _Failing:
+@keras.saving.register_keras_serializable(package="tests.micro_batching")
+class _Failing(keras.losses.Loss):
     """A mean squared error whose micro-batch holding a marked target
-    raises while `on` (a run-time assertion in a TensorFlow graph)."""
+    raises while `turn(True)` holds (a run-time assertion in a TensorFlow
+    graph). A file keeps it off."""
 
-    def __init__(self):
+    def __init__(self, name="failing", **kwargs):
+        super().__init__(name=name, **kwargs)
         if BACKEND == "tensorflow":
             import tensorflow as tf
 
-            self.flag = tf.Variable(False)
+            self.flag = tf.Variable(False, trainable=False)
         else:
             self.flag = [False]
 
@@ -62,7 +67,7 @@ class _Failing:
         else:
             self.flag[0] = on
 
-    def __call__(self, y_true, y_pred):
+    def call(self, y_true, y_pred):
         marked = y_true > _MARK / 2
         target = keras.ops.where(marked, y_true - _MARK, y_true)
         loss = keras.ops.mean(keras.ops.square(target - y_pred), axis=-1)
@@ -97,6 +102,7 @@ def _fails(model, loss, x, y) -> None:
     loss.turn(False)
 
 
+@_NOT_ON_JAX
 @pytest.mark.parametrize("compile_kwargs", _EXECUTIONS)
 def test_failed_micro_batch_changes_nothing_and_fit_again_equals_plain_fit(compile_kwargs):
     x, y = _marked_data()
@@ -114,6 +120,7 @@ def test_failed_micro_batch_changes_nothing_and_fit_again_equals_plain_fit(compi
     assert_states_close(full_state(plain_model, plain), full_state(model, opt))
 
 
+@_NOT_ON_JAX
 @pytest.mark.parametrize("compile_kwargs", _EXECUTIONS)
 def test_failed_micro_batch_puts_back_statistics_and_metrics(compile_kwargs):
     """The first micro-batch wrote BatchNormalization's moving statistics
@@ -134,3 +141,52 @@ def test_failed_micro_batch_puts_back_statistics_and_metrics(compile_kwargs):
         np.testing.assert_array_equal(value, kept)
     for value in _metrics(model):
         np.testing.assert_array_equal(value, np.zeros_like(value))
+
+
+@_NOT_ON_JAX
+def test_keras_file_saved_after_a_failed_split_step_resumes_as_plain_fit(tmp_path):
+    x, y = _marked_data()
+    plain_model, plain = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(plain_model, plain, x, y, B, loss=_Failing())
+    model, loss = make_mlp(), _Failing()
+    fit(model, accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=4), x[:B], y[:B], B, loss=loss)
+    _fails(model, loss, x[B : 2 * B], y[B : 2 * B])
+    path = str(tmp_path / "after_failure.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded.fit(x[B:], y[B:], batch_size=B, shuffle=False, verbose=0)
+    assert_states_close(full_state(plain_model, plain), full_state(loaded, loaded.optimizer))
+
+
+class _Raising(keras.callbacks.Callback):
+    """Raises `error` once, at the end of the first batch or at the start
+    of the second (between two steps, as an interrupt)."""
+
+    def __init__(self, where, error):
+        super().__init__()
+        self.where, self.error, self.armed = where, error, True
+
+    def _maybe(self, where, batch):
+        if self.armed and where == self.where and batch == (0 if where == "end" else 1):
+            self.armed = False
+            raise self.error("raised between steps")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._maybe("end", batch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._maybe("begin", batch)
+
+
+@pytest.mark.parametrize("where, error", [("end", ValueError), ("begin", KeyboardInterrupt)])
+def test_exception_between_split_steps_leaves_the_step_done(where, error):
+    x, y = make_data(3 * B)
+    plain_model, plain = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(plain_model, plain, x, y, B)
+    model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=3)
+    with pytest.raises(error, match="between steps"):
+        fit(model, opt, x, y, B, fit_kwargs={"callbacks": [_Raising(where, error)]})
+    state = opt.accumulation_state
+    assert (int(opt.iterations), int(state.micro_step), float(state.weight_total)) == (1, 0, 0.0)
+    model.fit(x[B:], y[B:], batch_size=B, shuffle=False, verbose=0)
+    assert_states_close(full_state(plain_model, plain), full_state(model, opt))
