@@ -127,21 +127,24 @@ def make_train_function(wrapped: Callable[..., Any], instance: Any, args: tuple,
         if not isinstance(function, Retrying):
             _device().check_auto(instance)
             instance.train_function = Retrying(instance, core, function)
-    elif _device().writes_in_place() and not isinstance(function, Undone):
+    elif _device().writes_as_it_runs(instance) and not isinstance(function, Undone):
         instance.train_function = Undone(instance, core, function)
     return result
 
 
 class Undone:
-    """Keras's train function of split steps (`micro_batch_size=m`), which
-    puts back what a step that raises wrote before its update.
+    """Keras's train function of split steps (`micro_batch_size=m`) that run
+    eagerly, which puts back what a step that raises wrote before its update.
 
-    Unsplit, a step that fails before its update has written little; split,
-    its earlier micro-batches have written their metrics, statistics and the
-    accumulation's counters, and a counter left mid-cycle would make the
-    next step's cycle start there. So the step runs all or nothing
-    (`_saved`). JAX needs none of it: its step returns the state it wrote,
-    which `fit` keeps only where the step returns.
+    Split, a step's earlier micro-batches have written their metrics,
+    statistics and, on PyTorch, the accumulation's counters when a later one
+    raises; a counter left mid-cycle would make the next step's cycle start
+    there. So the step runs all or nothing (`_saved`). In a `tf.function`
+    the accumulation's writes wait until every micro-batch ran (the update
+    is deferred), and what the earlier micro-batches wrote to metrics and
+    statistics is what plain Keras's step leaves too (with `iterations`
+    moved on): keeping it there would cost a third of a small model's step
+    (`benchmarks/split_put_back.py`). JAX's step returns what it wrote.
 
     Args:
         model: The model `fit` trains.

@@ -48,11 +48,13 @@ def replicas(model: Any) -> int:
     return 1 if strategy is None else strategy.num_replicas_in_sync
 
 
-def writes_in_place() -> bool:
-    """Whether a train step of the active backend writes the variables as
-    it runs (TensorFlow, PyTorch), so that one that raises leaves what it
-    wrote before; JAX's returns what it wrote."""
-    return active() != "jax"
+def writes_as_it_runs(model: Any) -> bool:
+    """Whether `model`'s train step writes its variables as each op runs,
+    on the host's word: PyTorch's, and TensorFlow's with `run_eagerly=True`.
+    A `tf.function`'s writes wait on what they read, and JAX's step returns
+    what it wrote."""
+    backend = active()
+    return backend == "torch" or (backend == "tensorflow" and bool(model.run_eagerly))
 
 
 def copies(variables: list[Any]) -> list[Any]:
