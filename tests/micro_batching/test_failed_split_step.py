@@ -123,17 +123,21 @@ def test_failed_micro_batch_changes_nothing_and_fit_again_equals_plain_fit(compi
 
 
 @_NOT_ON_JAX
-@pytest.mark.parametrize("compile_kwargs", [p for p in _EXECUTIONS if p.id == "eager"])
-def test_failed_eager_micro_batch_puts_back_statistics_and_metrics(compile_kwargs):
+@pytest.mark.parametrize(
+    "size, compile_kwargs",
+    [pytest.param(4, p.values[0], id=f"4-{p.id}") for p in _EXECUTIONS if p.id == "eager"]
+    + [pytest.param("auto", p.values[0], id=f"auto-{p.id}") for p in _EXECUTIONS],
+)
+def test_failed_micro_batch_puts_back_statistics_and_metrics(size, compile_kwargs):
     """Eagerly, the first micro-batch wrote BatchNormalization's moving
     statistics and the metrics before the second failed: they are as `fit`
-    began its epoch (metrics reset)."""
+    began its epoch (metrics reset). `"auto"` keeps them in a graph too."""
     x, y = _marked_data()
     loss = _Failing()
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
                               keras.layers.Dense(3)])
-    opt = accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=4)
+    opt = accumulate(keras.optimizers.Adam(1e-2), micro_batch_size=size)
     fit(model, opt, x[:B], y[:B], B, loss=loss, metrics=["mae"], **compile_kwargs)
     statistics = values(model.non_trainable_variables)
     before = whole_state(model, opt)
