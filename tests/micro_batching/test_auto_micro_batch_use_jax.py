@@ -5,6 +5,7 @@ smaller after an out-of-memory error: equal to plain `fit` on one device."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import keras
 import pytest
@@ -42,3 +43,21 @@ def test_data_parallel_with_a_memory_limit_below_the_variables_says_what_it_need
         with pytest.raises(MemoryError, match=r"needs \d+ bytes .* has 100 bytes \(memory_limit\)"):
             fit(model, opt, x, y, 2 * B)
     assert as_int(opt.iterations) == 0
+
+
+def test_data_parallel_sizes_split_evenly_over_the_devices():
+    """After running out of memory above 3 samples, the batch of 6 runs in
+    micro-batches of 2 (1 a device), not 3, which two devices cannot share:
+    each device computes its gradients on its own share, and the gradients
+    are all-reduced once per batch (no warning that they are not)."""
+    x, y = make_data(3 * 6)
+    reference, ref_opt = make_mlp(), keras.optimizers.Adam(1e-2)
+    fit(reference, ref_opt, x, y, 6)
+    with keras.distribution.DataParallel(devices=two_devices()).scope():
+        model, opt = make_mlp(), accumulate(keras.optimizers.Adam(1e-2), micro_batch_size="auto")
+        with out_of_memory_above(3), warnings.catch_warnings():
+            warnings.filterwarnings("error", message="gradaccum: the gradients are all-reduced on every micro-step")
+            fit(model, opt, x, y, 6)
+    assert opt.micro_batch_size == 2
+    assert as_int(opt.iterations) == 3
+    assert_states_close(full_state(reference, ref_opt), full_state(model, opt))
