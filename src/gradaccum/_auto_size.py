@@ -21,7 +21,9 @@ a ragged last one. Where a step runs out of memory anyway, the same batch
 runs again with more micro-batches (`smaller`), never fewer later. Under a
 `tf.distribute` strategy a size counts the samples over all replicas (as
 `micro_batch_size=m` does), a multiple of their number (`unit`): the search
-runs on a replica's share of the batch, probed. The size is logged once
+runs on a replica's share of the batch, probed; under JAX's
+`keras.distribution`, sizes are multiples of the devices the batch is split
+over, so that each computes its own gradients. The size is logged once
 (logger `"gradaccum"`, at INFO) and read by `opt.micro_batch_size`; configs keep it.
 """
 
@@ -70,8 +72,9 @@ class Search:
             batch: The batch's samples (over all replicas).
             measure: The bytes of the step at a given size (one compilation
                 each), or None where the backend cannot tell (probing).
-            unit: The replicas that each compute an equal share of a
-                micro-batch: every size is a multiple of it.
+            unit: The replicas (or JAX's devices along the batch axis)
+                that each compute an equal share of a micro-batch: every
+                size is a multiple of it.
 
         Returns:
             The size.

@@ -194,7 +194,7 @@ class Retrying:
         batch = int(batch) if batch is not None else None
         if batch is not None:
             measure = _measuring(self.model, search, state, data) if _memory().measures(self.model) else None
-            search.start(batch, measure, micro_batches.replicas(self.model))
+            search.start(batch, measure, micro_batches.unit(self.model))
         while True:
             restore = None if state is not None else _saved(self.model, self.core)
             size = search.size

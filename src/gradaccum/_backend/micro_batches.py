@@ -57,6 +57,24 @@ def writes_as_it_runs(model: Any) -> bool:
     return backend == "torch" or (backend == "tensorflow" and bool(model.run_eagerly))
 
 
+def unit(model: Any) -> int:
+    """The samples every size `micro_batch_size="auto"` chooses for
+    `model`'s train step is a multiple of, so that each device computes an
+    equal share of a micro-batch: a `tf.distribute` strategy's replicas
+    (`replicas`), or on JAX the devices `keras.distribution` splits the
+    batch over (each device's gradients are then its own, all-reduced once
+    per batch: `gradaccum._data_parallel`). With several JAX processes, 1:
+    a process's batch is its own share of the devices' batch."""
+    if active() != "jax":
+        return replicas(model)
+    if several_processes():
+        return 1
+    from gradaccum._backend.device_local import data_axis
+
+    axis, _ = data_axis()
+    return 1 if axis is None else axis.size
+
+
 def copies(variables: list[Any]) -> list[Any]:
     """`variables`, each `tf.distribute` one as every replica's own copy:
     a replica-local variable's copies differ, and its own `assign` splits

@@ -66,6 +66,11 @@ def _endless(n: Any) -> str | None:
     return "batch" if getattr(_split, "active", False) and _split.count is None else None
 
 
+def _uncounted(counted: bool, n: Any) -> str | None:
+    """Why slices are not kept under XLA (a split step's batch of unknown size before uncounted slices)."""
+    return _endless(n) if counted or _endless(n) == "batch" else "count"
+
+
 def _name(variable: Any) -> str:
     return getattr(variable, "path", None) or getattr(variable, "name", repr(variable))
 
@@ -173,7 +178,7 @@ class Kept:
     def _fall_back(self, part: growth.Part) -> None:
         self.rows_only = True
         self._pending_into_rows()
-        self._warn("rows", layouts.xla_warning(self.name, "count" if part.count is None else _endless(self._n)))
+        self._warn("rows", layouts.xla_warning(self.name, _uncounted(part.count is not None, self._n)))
 
     def _warn(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -199,9 +199,14 @@ def split(step: Callable[[Any], Any], data: Any, size: int, splitting: Callable[
         if known is None:
             step = _weighing_per_output_losses(step, model, total)
 
+        # XLA compiles the loop's body for the batch's run-time shape even
+        # where it runs no full micro-batch (a ragged last batch smaller than
+        # `size`): a slice larger than the batch does not compile.
+        full_size = tf.minimum(size, total) if known is None else min(size, known)
+
         def body(i: Any, logs: Any) -> tuple[Any, Any]:
             at(i)
-            logs = step(_slice(data, i * size, size))
+            logs = step(_slice(data, i * size, full_size))
             return i + 1, tree.map_structure(tf.convert_to_tensor, logs)
 
         # One micro-batch after the other: each reads the variables the last wrote.
