@@ -39,6 +39,29 @@ def _adam():
     return keras.optimizers.Adam(1e-2)
 
 
+def _assert_equals_reference(policy_name, ref_model, ref_opt, model):
+    """The mixed-precision run of `model` equals the large batch's
+    (`ref_model`, `ref_opt`) within half-precision rounding, after CYCLES
+    updates of N micro-batches each."""
+    ref = full_state(ref_model, ref_opt)
+    acc = full_state(model, model.optimizer)
+    assert acc["iterations"] == CYCLES
+    if policy_name == "mixed_float16":
+        assert isinstance(model.optimizer, LSO)
+        # No micro-batch overflowed: the scale is where the reference's is.
+        assert float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale)) == float(
+            keras.ops.convert_to_numpy(ref_opt.dynamic_scale)
+        )
+        # The scale's growth counter counts finite scaled backward passes:
+        # micro-batches, not applied updates (documented).
+        assert int(ref.pop("opt/step_counter")) == CYCLES
+        assert int(acc.pop("opt/step_counter")) == N * CYCLES
+        atol, rtol = FP16_ATOL, FP16_RTOL
+    else:
+        atol, rtol = BF16_ATOL, BF16_RTOL
+    assert_states_close(ref, acc, rtol=rtol, atol=atol)
+
+
 WRAPS = {
     "accumulate_lso": lambda mode: accumulate(LSO(_adam()), N, mode=mode),
     "lso_accumulate": lambda mode: LSO(accumulate(_adam(), N, mode=mode)),
@@ -61,23 +84,7 @@ def test_fit_equals_large_batch_mixed_precision_training(policy_name, order, mod
         model = make_mlp()
         opt = WRAPS[order](mode)
         fit(model, opt, x, y, B)
-    ref = full_state(ref_model, ref_opt)
-    acc = full_state(model, model.optimizer)
-    assert acc["iterations"] == CYCLES
-    if policy_name == "mixed_float16":
-        assert isinstance(model.optimizer, LSO)
-        # No micro-batch overflowed: the scale is where the reference's is.
-        assert float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale)) == float(
-            keras.ops.convert_to_numpy(ref_opt.dynamic_scale)
-        )
-        # The scale's growth counter counts finite scaled backward passes:
-        # micro-batches, not applied updates (documented).
-        assert int(ref.pop("opt/step_counter")) == CYCLES
-        assert int(acc.pop("opt/step_counter")) == N * CYCLES
-        atol, rtol = FP16_ATOL, FP16_RTOL
-    else:
-        atol, rtol = BF16_ATOL, BF16_RTOL
-    assert_states_close(ref, acc, rtol=rtol, atol=atol)
+    _assert_equals_reference(policy_name, ref_model, ref_opt, model)
     # Accumulators are float32 whatever the compute dtype.
     core = core_of(model.optimizer)
     assert all(keras.backend.standardize_dtype(a.dtype) == "float32" for a in core.accumulation_state.accumulators)
@@ -167,18 +174,4 @@ def test_split_step_equals_large_batch_mixed_precision_training(policy_name):
         fit(ref_model, ref_opt, x, y, B * N)
         model = make_mlp()
         fit(model, accumulate(_adam(), micro_batch_size=B), x, y, B * N)
-    ref = full_state(ref_model, ref_opt)
-    acc = full_state(model, model.optimizer)
-    assert acc["iterations"] == CYCLES
-    if policy_name == "mixed_float16":
-        assert isinstance(model.optimizer, LSO)
-        assert float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale)) == float(
-            keras.ops.convert_to_numpy(ref_opt.dynamic_scale)
-        )
-        # Finite scaled backward passes: micro-batches (documented).
-        assert int(ref.pop("opt/step_counter")) == CYCLES
-        assert int(acc.pop("opt/step_counter")) == N * CYCLES
-        atol, rtol = FP16_ATOL, FP16_RTOL
-    else:
-        atol, rtol = BF16_ATOL, BF16_RTOL
-    assert_states_close(ref, acc, rtol=rtol, atol=atol)
+    _assert_equals_reference(policy_name, ref_model, ref_opt, model)
